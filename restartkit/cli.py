@@ -1,0 +1,287 @@
+"""The `restartkit` command.  Thin: logic lives in the library.  Nothing
+heavy (torch) is imported until a command needs it."""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import click
+
+from restartkit import __version__
+from restartkit.errors import EXIT_NOT_SERVING, EXIT_SERVING, EXIT_USAGE, RestartkitError
+from restartkit.options import json_option, policy_option, reason_option, state_dir_option, strategy_option
+
+
+def friendly(fn):
+    """Our errors become one clear message and their exit code, no traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RestartkitError as e:
+            click.secho(f"error: {e.message}", fg="red", err=True)
+            if e.hint:
+                click.echo(f"  -> {e.hint}", err=True)
+            tail = getattr(e, "log_tail", "")
+            if tail:
+                click.echo("  engine log (last lines):", err=True)
+                click.echo("\n".join("    " + ln for ln in tail.splitlines()[-8:]), err=True)
+            sys.exit(e.exit_code)
+    return wrapper
+
+
+def emit(data: dict, as_json: bool, text: str) -> None:
+    click.echo(json.dumps(data, indent=2, default=str) if as_json else text)
+
+
+def say(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+def load(policy_path: str):
+    from restartkit.policy import load_policy
+    from restartkit.service import Service
+    return Service(load_policy(policy_path))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="restartkit")
+def main():
+    """Bring an LLM inference engine back fast after a restart, and prove which path it took.
+
+    Strategies: sleep (park weights, stay in process), ipc (attach weights from a
+    weight-cache daemon), criu (restore a process snapshot), cold (a normal start;
+    the recovery path of every other strategy)."""
+
+
+# ---- host and policy --------------------------------------------------------------
+
+@main.command()
+@json_option
+@state_dir_option
+@click.option("--criu-path", default="", help="CRIU binary to report on (default: the usual lookup).")
+@friendly
+def facts(as_json, criu_path):
+    """What this host can do: arch, kernel, GPUs, CRIU, io_uring, memory, disk."""
+    from restartkit import facts as hf
+    import os
+    f = hf.gather(os.environ.get("RESTARTKIT_STATE_DIR", ""), criu_path)
+    gpus = "; ".join(f"{g.index}: {g.name} {g.uuid} {g.memory_total_bytes / 2**30:.0f} GiB" for g in f.gpus) or f"none ({f.nvml_error})"
+    c = f.criu
+    text = "\n".join([
+        f"arch            {f.arch}", f"kernel          {f.kernel}",
+        f"user            {f.user} (uid {f.uid}; root: {f.is_root}; passwordless sudo: {f.passwordless_sudo})",
+        f"gpus            {gpus}", f"driver          {f.driver_version or '-'}",
+        f"io_uring        kernel.io_uring_disabled = {f.io_uring_disabled}",
+        f"criu            {c.path or '-'} ({c.source}) version {c.version or '-'}; check: {'ok' if c.check_ok else 'FAILS: ' + (c.check_output.splitlines() or ['-'])[-1] if c.path else '-'}",
+        f"memory          {f.mem_available_bytes / 2**30:.1f} GiB available of {f.mem_total_bytes / 2**30:.1f} GiB",
+        f"state dir       {f.state_dir} ({f.state_dir_free_bytes / 2**30:.1f} GiB free)",
+    ])
+    emit(f.to_dict(), as_json, text)
+
+
+@main.group()
+def policy():
+    """Policy files."""
+
+
+@policy.command("check")
+@click.argument("file", type=click.Path(dir_okay=False))
+@json_option
+@friendly
+def policy_check(file, as_json):
+    """Check a policy file; print it with every default filled in."""
+    from restartkit.policy import load_policy
+    p = load_policy(file)
+    emit(p.to_dict(), as_json, f"{file}: ok (service {p.name}, engine {p.service['engine']}, strategies {', '.join(p.strategies)})")
+
+
+# ---- planning and restarting --------------------------------------------------------
+
+@main.command()
+@policy_option
+@strategy_option
+@reason_option
+@json_option
+@state_dir_option
+@friendly
+def plan(policy_path, strategy, reason, as_json):
+    """Dry run: every strategy, eligible or not, with every reason."""
+    from restartkit.planner import render_plan
+    from restartkit.restart import plan_for
+    p, _facts = plan_for(load(policy_path), strategy, reason)
+    emit(p.to_dict(), as_json, render_plan(p))
+
+
+@main.command()
+@policy_option
+@strategy_option
+@reason_option
+@click.option("--strict", is_flag=True, help="Exit 3 when the service came back only through a recovery path.")
+@json_option
+@state_dir_option
+@friendly
+def restart(policy_path, strategy, reason, strict, as_json):
+    """Restart a service: plan, run the chosen strategy, prove it, recover on failure."""
+    from restartkit.restart import restart as do_restart
+    svc = load(policy_path)
+    rec = do_restart(svc, strategy, reason, strict, say=say)
+    emit(rec.to_dict(), as_json, render_record(rec.to_dict()))
+    sys.exit(rec.exit_code)
+
+
+def render_record(r: dict) -> str:
+    lines = [f"restart {r['id']} of {r['service']}: {r['final_state']}"
+             + (f" by {r['served_by']}" if r["served_by"] else "")
+             + (" (through the recovery path)" if r["via_recovery"] else "")]
+    if r["recovery_reason"]:
+        lines.append(f"  why recovery: {r['recovery_reason']}")
+    for a in r["attempts"]:
+        status = "skipped" if a.get("skipped") else ("ok" if a["ok"] else "failed")
+        phases = ", ".join(f"{k} {v:.2f}s" for k, v in (a.get("phases") or {}).items())
+        lines.append(f"  {a['role']:<8} {a['strategy']:<6} {status:<7} {phases}")
+        if a.get("error") and not a.get("skipped"):
+            lines.append(f"           error: {a['error']}")
+        eng = a.get("engine_phases") or {}
+        if eng:
+            lines.append("           engine: " + ", ".join(f"{k} {v:.2f}s" for k, v in eng.items()))
+    p = r.get("proof") or {}
+    if "canary_identical" in p:
+        ident = {True: "identical", False: "DIFFERENT", None: "not compared"}[p["canary_identical"]]
+        lines.append(f"  canary: {ident} (baseline: {p.get('baseline_source')})")
+    if r["time_to_ready_s"] is not None:
+        lines.append(f"  time to ready: {r['time_to_ready_s']:.2f} s; first completion: {r['first_completion_s'] or 0:.3f} s")
+    return "\n".join(lines)
+
+
+@main.command()
+@policy_option
+@json_option
+@state_dir_option
+@friendly
+def start(policy_path, as_json):
+    """Start the service's engine (a cold start) and wait until it answers."""
+    svc = load(policy_path)
+    if (proc := svc.current()) is not None:
+        emit({"state": "running", "pid": proc.pid}, as_json, f"{svc.policy.name} already runs (PID {proc.pid})")
+        return
+    started = svc.start_engine("cold")
+    svc.canary()
+    emit({"state": "serving", "pid": started.process.pid, "ready_s": started.ready_s, "phases": started.engine_phases},
+         as_json, f"{svc.policy.name} serving (PID {started.process.pid}) after {started.ready_s:.2f} s; log: {svc.log_path}")
+
+
+@main.command()
+@policy_option
+@json_option
+@state_dir_option
+@friendly
+def stop(policy_path, as_json):
+    """Stop the service's engine: SIGTERM, wait, SIGKILL."""
+    svc = load(policy_path)
+    how = svc.stop()
+    emit({"state": "stopped", "how": how}, as_json, f"{svc.policy.name}: {how}")
+
+
+@main.command()
+@policy_option
+@json_option
+@state_dir_option
+@friendly
+def status(policy_path, as_json):
+    """Is the engine running, and does it answer a real completion?"""
+    from restartkit.record import read_history
+    svc = load(policy_path)
+    proc = svc.current()
+    ready = proc is not None and svc.is_ready()
+    last = read_history(svc.state_dir, last=1)
+    data = {"service": svc.policy.name, "running": proc is not None, "pid": proc.pid if proc else None,
+            "serving": ready, "last_restart": last[0] if last else None, "state_dir": str(svc.state_dir)}
+    text = f"{svc.policy.name}: " + ("serving" if ready else "running, not answering" if proc else "not running")
+    if proc:
+        text += f" (PID {proc.pid})"
+    if last:
+        text += f"; last restart: {last[0]['final_state']} by {last[0]['served_by']}"
+    emit(data, as_json, text)
+    sys.exit(EXIT_SERVING if ready else EXIT_NOT_SERVING)
+
+
+@main.command()
+@policy_option
+@click.option("--last", type=int, default=10, show_default=True)
+@json_option
+@state_dir_option
+@friendly
+def history(policy_path, last, as_json):
+    """The last restart records of a service."""
+    from restartkit.record import read_history
+    svc = load(policy_path)
+    recs = read_history(svc.state_dir, last)
+    emit({"records": recs}, as_json, "\n".join(render_record(r) for r in recs) or "no restarts recorded")
+
+
+# ---- models and the reference engine -------------------------------------------------
+
+@main.group()
+def model():
+    """Reference checkpoints (Hugging Face Llama layout)."""
+
+
+@model.command("create")
+@click.option("--preset", type=click.Choice(["tiny", "tiny-moe", "1b", "8b-shape"]), default="tiny", show_default=True)
+@click.option("--out", required=True, type=click.Path(file_okay=False))
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
+@click.option("--device", default="cpu", show_default=True, help="Where to generate the random weights (cuda is much faster for 8b-shape).")
+@friendly
+def model_create(preset, out, seed, dtype, device):
+    """Write deterministic seeded random weights for a preset."""
+    from restartkit.reference.checkpoint import write_checkpoint
+    path = write_checkpoint(out, preset, seed=seed, dtype=dtype, device=device, progress=say)
+    click.echo(str(path))
+
+
+@main.group()
+def engine():
+    """The reference engine."""
+
+
+@engine.command("serve", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.pass_context
+def engine_serve(ctx):
+    """Serve a checkpoint: restartkit engine serve --model DIR [--port N] [--device cpu|cuda] ..."""
+    from restartkit.reference.server import main as serve_main
+    sys.exit(serve_main(ctx.args))
+
+
+# ---- bench and demo --------------------------------------------------------------------
+
+@main.command()
+@policy_option
+@click.option("--strategies", default="cold", show_default=True, help="Comma-separated strategies to compare.")
+@click.option("--repeat", type=int, default=3, show_default=True)
+@click.option("--out", type=click.Path(file_okay=False), default=None, help="Write bench.json (and bench.png with matplotlib) here.")
+@json_option
+@state_dir_option
+@friendly
+def bench(policy_path, strategies, repeat, out, as_json):
+    """Restart the same service with each strategy N times; compare time to ready."""
+    from restartkit.bench import render_bench, run_bench
+    names = [s.strip() for s in strategies.split(",") if s.strip()]
+    result = run_bench(load(policy_path), names, repeat, out, say=say)
+    emit(result, as_json, render_bench(result))
+
+
+@main.command()
+@click.option("--workdir", default="~/.cache/restartkit/demo", show_default=True, type=click.Path(file_okay=False))
+@click.option("--repeat", type=int, default=2, show_default=True)
+@friendly
+def demo(workdir, repeat):
+    """The main job on the embedded reference model, end to end on this machine."""
+    from restartkit.demo import run_demo
+    sys.exit(run_demo(workdir, repeat, say=click.echo))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""`restartkit demo`: the main job end to end on the embedded reference model.
+
+Creates the tiny checkpoint, starts the reference engine on the CPU under the
+demo policy, shows the plan, restarts with --strategy auto, prints the record,
+and benches every strategy that can run here."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+from restartkit.errors import EXIT_NOT_SERVING, EXIT_SERVING
+
+DEFAULT_WORKDIR = "~/.cache/restartkit/demo"
+
+# policies/demo.toml is this template with the default workdir (a test keeps them equal).
+DEMO_POLICY = """\
+# The demo service: the tiny reference model on the CPU.
+# `restartkit demo` creates the model and runs everything below on its own.
+[service]
+name = "demo"
+engine = "reference"
+model = "{workdir}/models/tiny"
+host = "127.0.0.1"
+port = 8199
+device = "cpu"
+max_model_len = 512
+engine_args = ["--threads", "1"]
+
+[restart]
+strategies = ["auto"]
+start_timeout_s = 120
+stop_timeout_s = 15
+canary_prompts = ["The quick brown fox", "Restarting an inference server"]
+canary_max_tokens = 16
+
+[ipc]
+mode = "zero_copy"
+fallback = true
+
+[criu]
+keep = 2
+max_age_h = 24
+
+[sleep]
+level = 1
+"""
+
+
+def run_demo(workdir: str = DEFAULT_WORKDIR, repeat: int = 2, say: Callable[[str], None] = print) -> int:
+    from restartkit.bench import render_bench, run_bench
+    from restartkit.cli import render_record
+    from restartkit.planner import render_plan
+    from restartkit.policy import load_policy
+    from restartkit.restart import plan_for, restart
+    from restartkit.service import Service
+
+    root = Path(os.path.expanduser(workdir))
+    root.mkdir(parents=True, exist_ok=True)
+    model_dir = root / "models" / "tiny"
+    if not (model_dir / "config.json").exists():
+        from restartkit.reference.checkpoint import write_checkpoint
+        say(f"== creating the tiny reference checkpoint in {model_dir}")
+        write_checkpoint(model_dir, "tiny")
+    policy_path = root / "demo.toml"
+    policy_path.write_text(DEMO_POLICY.format(workdir=workdir))
+    os.environ.setdefault("RESTARTKIT_STATE_DIR", str(root / "state"))
+    svc = Service(load_policy(policy_path))
+
+    say(f"== starting the reference engine (policy {policy_path})")
+    svc.stop()
+    started = svc.start_engine("cold")
+    svc.canary()
+    say(f"serving on {svc.adapter.base_url(svc.policy)} (PID {started.process.pid}) after {started.ready_s:.2f} s")
+
+    say("\n== restartkit plan --strategy auto")
+    plan, _ = plan_for(svc, "auto", "restart")
+    say(render_plan(plan))
+
+    say("\n== restartkit restart --strategy auto")
+    rec = restart(svc, "auto", "restart", strict=False, say=say)
+    say(render_record(rec.to_dict()))
+
+    runnable = [name for name in plan.order if plan.verdicts[name].eligible]
+    say(f"\n== restartkit bench --strategies {','.join(runnable)} --repeat {repeat}")
+    result = run_bench(svc, runnable, repeat, str(root / "bench"), say=say)
+    say(render_bench(result))
+    not_here = [f"{n}: {plan.verdicts[n].reasons[0]}" for n in plan.order if not plan.verdicts[n].eligible]
+    if not_here:
+        say("not benched here: " + "; ".join(not_here))
+    svc.stop()
+    say(f"\nthe demo engine was stopped; start it again with: restartkit start --policy {policy_path}")
+    say(f"records: {svc.state_dir / 'history.jsonl'}; metrics: {svc.state_dir / 'metrics.prom'}")
+    return EXIT_SERVING if rec.final_state == "serving" else EXIT_NOT_SERVING

@@ -1,0 +1,18 @@
+"""Engine adapters, one module per engine, one registry."""
+from __future__ import annotations
+
+from restartkit.engines.base import EngineAdapter
+
+NOT_BUILT = {
+    "vllm": "the vLLM adapter is not built yet (planned: issue 6)",
+    "sglang": "the SGLang adapter is not built yet (planned: issue 6)",
+    "command": "the generic command adapter is not built yet",
+}
+
+
+def get_adapter(name: str) -> tuple[EngineAdapter | None, str | None]:
+    """(adapter, None) or (None, why not)."""
+    if name == "reference":
+        from restartkit.engines.reference import ReferenceAdapter
+        return ReferenceAdapter(), None
+    return None, NOT_BUILT.get(name, f"engine {name!r} is not supported")

@@ -1,0 +1,34 @@
+"""The reference engine (restartkit.reference): our own small Llama server."""
+from __future__ import annotations
+
+import os
+
+from restartkit import __version__, http
+from restartkit.engines.base import EngineAdapter, LaunchSpec, python
+from restartkit.reference.layout import model_dir_ok
+
+
+class ReferenceAdapter(EngineAdapter):
+    name = "reference"
+
+    def launch(self, policy, extra_args=()) -> LaunchSpec:
+        s = policy.service
+        argv = [python(), "-m", "restartkit.reference.server", "--model", s["model"],
+                "--host", s["host"], "--port", str(s["port"]), "--device", s["device"],
+                "--max-model-len", str(s["max_model_len"]), "--served-model-name", self.served_name(policy)]
+        if s["dtype"] != "auto":
+            argv += ["--dtype", s["dtype"]]
+        argv += list(s["engine_args"]) + list(extra_args)
+        return LaunchSpec(argv=argv, env=dict(s["env"]))
+
+    def model_problem(self, policy) -> str | None:
+        return model_dir_ok(policy.service["model"])
+
+    def version(self) -> str:
+        return __version__
+
+    def served_name(self, policy) -> str:
+        return os.path.basename(os.path.normpath(policy.service["model"]))
+
+    def stats(self, policy) -> dict:
+        return http.get(self.base_url(policy) + "/admin/stats", timeout=10.0)

@@ -1,0 +1,27 @@
+"""CLI options shared by several commands, declared once."""
+from __future__ import annotations
+
+import os
+
+import click
+
+
+def _set_state_dir(ctx, param, value):
+    if value:
+        os.environ["RESTARTKIT_STATE_DIR"] = value
+    return value
+
+
+policy_option = click.option(
+    "--policy", "policy_path", envvar="RESTARTKIT_POLICY", required=True, show_envvar=True,
+    type=click.Path(dir_okay=False), help="The service's policy file (TOML).")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
+state_dir_option = click.option(
+    "--state-dir", envvar="RESTARTKIT_STATE_DIR", show_envvar=True, expose_value=False, is_eager=True,
+    callback=_set_state_dir, help="Where records, logs and PID files live.  [default: ~/.local/state/restartkit]")
+strategy_choice = click.Choice(["auto", "sleep", "ipc", "criu", "cold"])
+strategy_option = click.option("--strategy", type=strategy_choice, default="auto", show_default=True,
+                               help="How to bring the service back; auto picks the fastest eligible.")
+reason_option = click.option(
+    "--reason", type=click.Choice(["restart", "crash", "config", "code", "weights"]), default="restart",
+    show_default=True, help="Why restart: decides which strategies can satisfy it (sleep applies no new code, flags or weights).")

@@ -1,0 +1,198 @@
+"""Policy files: one TOML file per service.
+
+The schema is data (SCHEMA below): each key's type, default and allowed
+values.  `load_policy` reads and checks the whole file before anything is
+touched; an error names the file, the key, the bad value and what is allowed.
+"""
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from restartkit.errors import PolicyError
+
+STRATEGIES = ("sleep", "ipc", "criu", "cold")
+ENGINES = ("reference", "vllm", "sglang", "command")
+HEX40 = re.compile(r"^[0-9a-f]{40}$")
+
+
+@dataclass(frozen=True)
+class Key:
+    type: type | tuple
+    default: Any
+    allowed: tuple | None = None
+    doc: str = ""
+    check: Any = None  # callable(value) -> problem or None
+
+
+def _positive(v):
+    return None if v > 0 else "must be greater than 0"
+
+
+def _port(v):
+    return None if 0 < v < 65536 else "must be a TCP port (1..65535)"
+
+
+def _revision(v):
+    return None if v == "" or HEX40.match(v) else "must be a 40-character lowercase hex commit id (or empty)"
+
+
+def _strategy_list(v):
+    if v == ["auto"]:
+        return None
+    bad = [s for s in v if s not in STRATEGIES]
+    if bad:
+        return f"unknown strategy {bad[0]!r}"
+    if len(set(v)) != len(v):
+        return "lists a strategy twice"
+    return None
+
+
+SCHEMA: dict[str, dict[str, Key]] = {
+    "service": {
+        "name": Key(str, None, doc="service name; names the state directory", check=lambda v: None if re.match(r"^[A-Za-z0-9_.-]+$", v) else "may hold only letters, digits, '.', '_' and '-'"),
+        "engine": Key(str, "reference", ENGINES, "engine adapter"),
+        "model": Key(str, None, doc="checkpoint directory (or hub id for vllm/sglang); ~ and $VARS are expanded"),
+        "revision": Key(str, "", doc="pinned 40-hex revision", check=_revision),
+        "host": Key(str, "127.0.0.1"),
+        "port": Key(int, 8000, check=_port),
+        "device": Key(str, "cpu", ("cpu", "cuda")),
+        "dtype": Key(str, "auto", ("auto", "float32", "bfloat16", "float16")),
+        "tensor_parallel_size": Key(int, 1, check=_positive),
+        "data_parallel_size": Key(int, 1, check=_positive),
+        "pipeline_parallel_size": Key(int, 1, check=_positive),
+        "expert_parallel": Key(bool, False),
+        "max_model_len": Key(int, 1024, check=_positive),
+        "engine_args": Key(list, [], doc="extra command-line arguments for the engine"),
+        "env": Key(dict, {}, doc="extra environment for the engine"),
+        "command": Key(list, [], doc="argv of the engine (engine = 'command' only)"),
+        "state_dir": Key(str, "", doc="default: $RESTARTKIT_STATE_DIR or ~/.local/state/restartkit"),
+    },
+    "restart": {
+        "strategies": Key(list, ["auto"], doc="'auto' or strategies in preference order", check=_strategy_list),
+        "start_timeout_s": Key((int, float), 300.0, check=_positive),
+        "stop_timeout_s": Key((int, float), 30.0, check=_positive),
+        "canary_prompts": Key(list, ["The quick brown fox", "Restarting an inference server"]),
+        "canary_max_tokens": Key(int, 16, check=_positive),
+    },
+    "ipc": {
+        "mode": Key(str, "zero_copy", ("zero_copy", "copy")),
+        "fallback": Key(bool, True),
+        "connect_timeout_s": Key((int, float), 5.0, check=_positive),
+        "state_timeout_s": Key((int, float), 300.0, check=_positive),
+        "socket_dir": Key(str, ""),
+    },
+    "criu": {
+        "images_dir": Key(str, "", doc="default: <state dir>/snapshots"),
+        "keep": Key(int, 2, check=_positive),
+        "max_age_h": Key((int, float), 24.0, check=_positive),
+        "refresh": Key(str, "daily", doc="systemd OnCalendar= expression for the refresh timer"),
+        "criu_path": Key(str, ""),
+        "test_restore": Key(bool, False),
+        "pid_wait_s": Key((int, float), 10.0, check=_positive),
+    },
+    "sleep": {
+        "level": Key(int, 1, (1, 2)),
+    },
+}
+
+
+def _typename(t) -> str:
+    if isinstance(t, tuple):
+        return "a number"
+    return {str: "a string", int: "an integer", bool: "a boolean (true or false)", list: "a list",
+            dict: "a table", float: "a number"}[t]
+
+
+@dataclass
+class Policy:
+    path: str
+    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __getattr__(self, name):  # policy.service, policy.restart, ...
+        try:
+            return _Section(self.sections[name])
+        except KeyError:
+            raise AttributeError(name) from None
+
+    @property
+    def name(self) -> str:
+        return self.sections["service"]["name"]
+
+    @property
+    def strategies(self) -> list[str]:
+        return list(self.sections["restart"]["strategies"])
+
+    def state_dir(self) -> Path:
+        base = self.sections["service"]["state_dir"] or os.environ.get("RESTARTKIT_STATE_DIR") or "~/.local/state/restartkit"
+        return Path(os.path.expandvars(os.path.expanduser(base))) / self.name
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, **self.sections}
+
+
+class _Section(dict):
+    __getattr__ = dict.__getitem__
+
+
+def expand(value: str) -> str:
+    return os.path.expandvars(os.path.expanduser(value))
+
+
+def parse_policy(data: dict, path: str = "<policy>") -> Policy:
+    """Check `data` against SCHEMA; fill defaults.  Pure: no I/O."""
+    unknown = set(data) - set(SCHEMA)
+    if unknown:
+        raise PolicyError(path, sorted(unknown)[0], "is not a section", f"sections are: {', '.join(SCHEMA)}")
+    sections: dict[str, dict] = {}
+    for sec, keys in SCHEMA.items():
+        raw = data.get(sec, {})
+        if not isinstance(raw, dict):
+            raise PolicyError(path, sec, "must be a table", f"write it as [{sec}]")
+        extra = set(raw) - set(keys)
+        if extra:
+            k = sorted(extra)[0]
+            raise PolicyError(path, f"{sec}.{k}", "is not a known key", f"keys of [{sec}] are: {', '.join(keys)}")
+        out = {}
+        for k, spec in keys.items():
+            where = f"{sec}.{k}"
+            if k not in raw:
+                if spec.default is None:
+                    raise PolicyError(path, where, "is required", spec.doc or None)
+                out[k] = spec.default
+                continue
+            v = raw[k]
+            types = spec.type if isinstance(spec.type, tuple) else (spec.type,)
+            # bool is an int in Python; a policy that says `port = true` is wrong.
+            if isinstance(v, bool) and bool not in types or not isinstance(v, types):
+                raise PolicyError(path, where, f"is {v!r} ({type(v).__name__})", f"must be {_typename(spec.type)}")
+            if spec.allowed is not None and v not in spec.allowed:
+                raise PolicyError(path, where, f"is {v!r}", f"allowed: {', '.join(map(str, spec.allowed))}")
+            if spec.check is not None and (problem := spec.check(v)):
+                raise PolicyError(path, where, f"is {v!r}: {problem}", spec.doc or None)
+            out[k] = float(v) if spec.type == (int, float) else v
+        sections[sec] = out
+    svc = sections["service"]
+    if svc["engine"] == "command" and not svc["command"]:
+        raise PolicyError(path, "service.command", "is required when engine = 'command'", "give the engine's argv as a list")
+    if not all(isinstance(a, str) for a in svc["engine_args"]):
+        raise PolicyError(path, "service.engine_args", "must be a list of strings", None)
+    svc["model"] = expand(svc["model"]) if svc["engine"] == "reference" else svc["model"]
+    return Policy(path=path, sections=sections)
+
+
+def load_policy(path: str | os.PathLike) -> Policy:
+    p = Path(path)
+    if not p.is_file():
+        raise PolicyError(p, "", "no such policy file", "give the path of a TOML policy; examples are in policies/")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise PolicyError(p, "", f"is not valid TOML: {e}", "fix the syntax at the line and column named") from e
+    except UnicodeDecodeError as e:
+        raise PolicyError(p, "", "is not UTF-8 text", None) from e
+    return parse_policy(data, str(p))

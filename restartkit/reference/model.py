@@ -1,0 +1,270 @@
+"""A small, real Llama-style decoder in plain torch.
+
+RMSNorm, rotary embeddings (the Hugging Face "rotate half" convention, so other
+engines load the same checkpoint and agree), grouped-query attention, SwiGLU,
+an optional mixture-of-experts MLP, and a static KV cache so that one decode
+step has fixed shapes and can be captured as a CUDA graph.
+
+Batch size is one: the engine serves requests one at a time under a lock.
+Attention always runs over the whole cache with a position mask, which keeps
+decode shapes static; for the model sizes used here that costs little.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int = 2048
+    rope_theta: float = 500000.0
+    rms_norm_eps: float = 1e-5
+    num_local_experts: int = 0
+    num_experts_per_tok: int = 2
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "bfloat16"
+    bos_token_id: int = 256
+    eos_token_id: int = 257
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_local_experts > 0
+
+    def to_hf(self) -> dict:
+        """The config.json of a Hugging Face Llama (or Mixtral, with experts)."""
+        out = {k: v for k, v in asdict(self).items() if k not in ("extra", "num_local_experts", "num_experts_per_tok")}
+        out.update(
+            architectures=["MixtralForCausalLM" if self.is_moe else "LlamaForCausalLM"],
+            model_type="mixtral" if self.is_moe else "llama",
+            hidden_act="silu",
+            attention_bias=False,
+            mlp_bias=False,
+            head_dim=self.head_dim,
+            initializer_range=0.02,
+            rope_scaling=None,
+            use_cache=True,
+        )
+        if self.is_moe:
+            out.update(num_local_experts=self.num_local_experts, num_experts_per_tok=self.num_experts_per_tok)
+        out.update(self.extra)
+        return out
+
+    @classmethod
+    def from_hf(cls, data: dict) -> "ModelConfig":
+        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        kwargs = {k: data[k] for k in known if k in data}
+        return cls(**kwargs)
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        return cls.from_hf(json.loads(path.read_text()))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    t = torch.arange(max_len, dtype=torch.float32, device=device)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, head_dim]; cos/sin: [T, head_dim]
+    cos = cos.unsqueeze(1).to(x.dtype)
+    sin = sin.unsqueeze(1).to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hd = cfg.head_dim
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = hd
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, positions, cache_k, cache_v, mask):
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        cache_k.index_copy_(0, positions, k)
+        cache_v.index_copy_(0, positions, v)
+        # [heads, T, hd] against [kv_heads, max_len, hd]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), cache_k.transpose(0, 1), cache_v.transpose(0, 1),
+            attn_mask=mask, enable_gqa=True,
+        )
+        return self.o_proj(out.transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Expert(nn.Module):
+    """One expert in the Mixtral naming (w1 gate, w3 up, w2 down)."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, inter, bias=False)
+        self.w2 = nn.Linear(inter, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, inter, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts.  Dense evaluation (every expert on every token,
+    weighted by a mask): static shapes, so decode stays graph-capturable."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(cfg.hidden_size, cfg.intermediate_size) for _ in range(cfg.num_local_experts))
+
+    def forward(self, x):
+        logits = self.gate(x).float()
+        weights, chosen = torch.topk(F.softmax(logits, dim=-1), self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        dense = torch.zeros_like(logits).scatter(-1, chosen, weights).to(x.dtype)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out = out + expert(x) * dense[:, e : e + 1]
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.is_moe:
+            self.block_sparse_moe = SparseMoE(cfg)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, positions, cache_k, cache_v, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache_k, cache_v, mask)
+        ff = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        return x + ff(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names match the Hugging Face checkpoint names exactly."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.cache_k: torch.Tensor | None = None
+        self.cache_v: torch.Tensor | None = None
+        self.max_len = 0
+        self._cos = self._sin = self._key_pos = None
+
+    # ---- KV cache -------------------------------------------------------
+    def allocate_kv_cache(self, max_len: int) -> int:
+        """Allocate the static KV cache; returns its size in bytes."""
+        cfg = self.config
+        ref = self.lm_head.weight
+        shape = (cfg.num_hidden_layers, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        self.cache_k = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
+        self.cache_v = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
+        self.max_len = max_len
+        self._cos, self._sin = rope_tables(cfg.head_dim, max_len, cfg.rope_theta, ref.device)
+        self._key_pos = torch.arange(max_len, device=ref.device)
+        return 2 * self.cache_k.numel() * self.cache_k.element_size()
+
+    def drop_kv_cache(self) -> None:
+        self.cache_k = self.cache_v = None
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        if self.cache_k is None:
+            return 0
+        return 2 * self.cache_k.numel() * self.cache_k.element_size()
+
+    # ---- forward ----------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens, positions: int64 [T].  Returns float32 logits [T, vocab]."""
+        cos = self._cos.index_select(0, positions)
+        sin = self._sin.index_select(0, positions)
+        # query i may see key j when j <= position_i
+        mask = self._key_pos.unsqueeze(0) <= positions.unsqueeze(1)
+        x = self.model.embed_tokens(tokens)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, positions, self.cache_k[i], self.cache_v[i], mask)
+        x = self.model.norm(x)
+        return self.lm_head(x).float()
+
+
+def init_std(cfg: ModelConfig, name: str) -> float:
+    """Weight scale for seeded random checkpoints: small enough that
+    activations stay finite, large enough that greedy output varies."""
+    if name.endswith("norm.weight"):
+        return 0.0
+    if "embed_tokens" in name:
+        return 1.0
+    return 1.0 / math.sqrt(cfg.hidden_size)

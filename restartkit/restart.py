@@ -1,0 +1,130 @@
+"""Carry out a plan: baseline canary, the chosen strategy, proof, and on any
+failure the recovery path (a cold start).  Every restart leaves one record."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from restartkit import facts as host_facts
+from restartkit.errors import RestartkitError
+from restartkit.planner import Plan, make_plan
+from restartkit.record import Record, append_history, update_metrics
+from restartkit.service import Service
+from restartkit.strategies import all_strategies
+from restartkit.strategies.base import Facts, Outcome
+
+REASONS = ("restart", "crash", "config", "code", "weights")
+
+
+def gather_facts(service: Service, reason: str, run_criu_check: bool = True) -> Facts:
+    host = host_facts.gather(service.state_dir, service.policy.criu["criu_path"], run_criu_check=run_criu_check)
+    return Facts(host=host, service=service.service_facts(), reason=reason)
+
+
+def plan_for(service: Service, requested: str, reason: str) -> tuple[Plan, Facts]:
+    facts = gather_facts(service, reason)
+    return make_plan(facts, service.policy, requested, all_strategies()), facts
+
+
+def restart(service: Service, requested: str = "auto", reason: str = "restart", strict: bool = False,
+            say: Callable[[str], None] = lambda _m: None) -> Record:
+    plan, facts = plan_for(service, requested, reason)
+    rec = Record(service=service.policy.name, policy=service.policy.path, requested=requested,
+                 reason=reason, plan=plan.to_dict())
+    for note in plan.notes:
+        say(note)
+    if plan.attempt is None:
+        rec.recovery_reason = "; ".join(plan.notes)
+        return _close(service, rec, strict)
+
+    baseline, source = _baseline(service, facts, reason, say)
+    rec.proof = {"baseline_source": source, "before": baseline}
+
+    t0 = time.monotonic()
+    strategies = all_strategies()
+    primary = plan.attempt
+    say(f"running {primary}" + (f" (recovery: {plan.recovery})" if primary != plan.recovery else ""))
+    outcome = _attempt(strategies[primary], service, facts, baseline, rec, role="primary")
+    if plan.goes_straight_to_recovery:
+        rec.via_recovery = True
+        rec.recovery_reason = f"{requested} is not eligible: " + "; ".join(plan.verdicts[requested].reasons)
+        rec.attempts.insert(0, {"strategy": requested, "role": "primary", "ok": False, "skipped": True,
+                                "error": rec.recovery_reason})
+        rec.attempts[1]["role"] = "recovery"
+    if not outcome.ok and primary != plan.recovery:
+        rec.via_recovery = True
+        rec.recovery_reason = f"{primary} failed: {outcome.error}"
+        say(f"{primary} failed ({outcome.error}); recovering with a cold start")
+        outcome = _attempt(strategies[plan.recovery], service, facts, baseline, rec, role="recovery")
+    if outcome.ok:
+        rec.final_state = "serving"
+        rec.served_by = outcome.strategy
+        rec.time_to_ready_s = round(time.monotonic() - t0 - outcome.detail.get("verify_s", 0.0), 4)
+        rec.first_completion_s = outcome.detail.get("first_completion_s")
+        rec.proof.update(outcome.proof.get("canary", {}))
+    return _close(service, rec, strict)
+
+
+def _baseline(service: Service, facts: Facts, reason: str, say) -> tuple[list | None, str]:
+    if facts.service.engine_ready:
+        try:
+            return service.canary(), "live engine before the restart"
+        except Exception as e:  # a sick engine is a reason to restart, not to stop
+            say(f"could not take a canary from the running engine: {e}")
+    tokens, source = service.stored_canary()
+    return tokens, source
+
+
+def _attempt(strategy, service: Service, facts: Facts, baseline, rec: Record, role: str) -> Outcome:
+    try:
+        outcome = strategy.execute(service, facts)
+    except RestartkitError as e:
+        outcome = Outcome(strategy.name, ok=False, error=e.message,
+                          detail={"hint": e.hint, "log_tail": getattr(e, "log_tail", "")})
+    except Exception as e:  # recorded, then the recovery path runs
+        outcome = Outcome(strategy.name, ok=False, error=f"{type(e).__name__}: {e}")
+    if outcome.ok:
+        _verify(service, outcome, baseline, facts.reason)
+    entry = outcome.to_dict()
+    entry["role"] = role
+    rec.attempts.append(entry)
+    return outcome
+
+
+def _verify(service: Service, outcome: Outcome, baseline, reason: str) -> None:
+    """The restart counts only if the canary answers, and answers the same."""
+    t0 = time.monotonic()
+    try:
+        t1 = time.monotonic()
+        after = service.canary()
+        outcome.detail["first_completion_s"] = round((time.monotonic() - t1) / max(1, len(after)), 4)
+    except Exception as e:
+        outcome.ok, outcome.error = False, f"the canary failed after {outcome.strategy}: {e}"
+        return
+    finally:
+        outcome.detail["verify_s"] = round(time.monotonic() - t0, 4)
+    canary = {"after": after}
+    if baseline is None:
+        canary["canary_identical"] = None
+        canary["note"] = "no baseline to compare with; this canary is the baseline from now on"
+    elif reason == "weights":
+        canary["canary_identical"] = None
+        canary["note"] = "not compared: the restart was for new weights"
+    else:
+        same = baseline == after
+        canary["canary_identical"] = same
+        if not same:
+            outcome.ok = False
+            diff = next(i for i, (a, b) in enumerate(zip(baseline, after)) if a != b) if len(baseline) == len(after) else 0
+            outcome.error = f"canary differs after {outcome.strategy} (prompt {diff}): the restart is not trusted"
+    outcome.proof["canary"] = canary
+
+
+def _close(service: Service, rec: Record, strict: bool) -> Record:
+    rec.finish(strict)
+    try:
+        append_history(service.state_dir, rec)
+        update_metrics(service.state_dir, rec)
+    except OSError:
+        pass  # a full disk must not turn a served restart into a failed command
+    return rec

@@ -1,0 +1,207 @@
+"""One service: its policy, its state directory, its engine process.
+
+State directory (0700): engine.json (PID, start time, port, how it started),
+engine.log (the engine's output, appended per start), canary.json (the last
+canary taken from a serving engine), history.jsonl (one record per restart),
+metrics.prom (Prometheus textfile).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from restartkit.engines import get_adapter
+from restartkit.errors import EngineStartError, UsageError
+from restartkit.strategies.base import ServiceFacts
+from restartkit.supervise import EngineProcess, ProcState, Seam
+
+
+@dataclass
+class Started:
+    process: EngineProcess
+    ready_s: float
+    engine_phases: dict = field(default_factory=dict)
+    weight_source: str | None = None
+    stats: dict = field(default_factory=dict)
+
+
+def write_json_atomic(path: Path, data) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+class Service:
+    def __init__(self, policy, seam: Seam | None = None):
+        self.policy = policy
+        self.seam = seam or Seam()
+        self.adapter, self.adapter_problem = get_adapter(policy.service["engine"])
+        self.state_dir = policy.state_dir()
+
+    # ---- files ----------------------------------------------------------------
+    def ensure_state_dir(self) -> Path:
+        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.state_dir, 0o700)
+        return self.state_dir
+
+    @property
+    def pidfile(self) -> Path:
+        return self.state_dir / "engine.json"
+
+    @property
+    def log_path(self) -> Path:
+        return self.state_dir / "engine.log"
+
+    @property
+    def canary_path(self) -> Path:
+        return self.state_dir / "canary.json"
+
+    # ---- what is running --------------------------------------------------------
+    def current(self) -> EngineProcess | None:
+        """The engine this service started, if it still runs (PID and start time match)."""
+        try:
+            info = json.loads(self.pidfile.read_text())
+        except (OSError, ValueError):
+            return None
+        proc = EngineProcess(pid=info["pid"], create_time=info.get("create_time"), log_path=self.log_path, seam=self.seam)
+        if not proc.alive():
+            return None
+        proc.state = ProcState.READY if info.get("ready") else ProcState.STARTING
+        return proc
+
+    def is_ready(self) -> bool:
+        try:
+            self.adapter.probe(self.policy)
+            return True
+        except Exception:
+            return False
+
+    def service_facts(self) -> ServiceFacts:
+        s = self.policy.service
+        sf = ServiceFacts(engine=s["engine"], adapter_problem=self.adapter_problem)
+        if self.adapter is None:
+            return sf
+        sf.model_problem = self.adapter.model_problem(self.policy)
+        sf.engine_version = self.adapter.version()
+        proc = self.current()
+        if proc is not None:
+            sf.engine_running, sf.pid = True, proc.pid
+            sf.engine_ready = self.is_ready()
+        return sf
+
+    def port_holder(self) -> str | None:
+        """Who listens on the service's port, if anyone."""
+        s = self.policy.service
+        host = "127.0.0.1" if s["host"] in ("0.0.0.0", "") else s["host"]
+        with socket.socket() as sock:
+            sock.settimeout(0.5)
+            if sock.connect_ex((host, s["port"])) != 0:
+                return None
+        try:
+            import psutil
+            for c in psutil.net_connections(kind="tcp"):
+                if c.laddr and c.laddr.port == s["port"] and c.status == psutil.CONN_LISTEN and c.pid:
+                    return f"PID {c.pid} ({psutil.Process(c.pid).name()})"
+        except Exception:
+            pass
+        return "another process"
+
+    # ---- start / stop -------------------------------------------------------------
+    def start_engine(self, strategy: str = "cold", extra_args: list[str] = (), extra_env: dict | None = None) -> Started:
+        if self.adapter is None:
+            raise UsageError(self.adapter_problem)
+        if problem := self.adapter.model_problem(self.policy):
+            raise EngineStartError(f"cannot start {self.policy.name}: {problem}",
+                                   hint="fix [service] model in " + self.policy.path)
+        if holder := self.port_holder():
+            s = self.policy.service
+            raise EngineStartError(f"port {s['port']} is already in use by {holder}",
+                                   hint=f"stop that process, or set another [service] port in {self.policy.path}")
+        self.ensure_state_dir()
+        spec = self.adapter.launch(self.policy, list(extra_args))
+        env = {**os.environ, **spec.env, **(extra_env or {})}
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n==== {time.strftime('%Y-%m-%dT%H:%M:%S')} restartkit start ({strategy}): {' '.join(spec.argv)}\n".encode())
+            log.flush()
+            popen = self.seam.popen(spec.argv, stdin=subprocess_devnull(), stdout=log, stderr=log,
+                                    env=env, start_new_session=True, close_fds=True)
+        proc = EngineProcess(pid=popen.pid, create_time=_create_time(popen.pid), log_path=self.log_path,
+                             popen=popen, seam=self.seam)
+        self._write_pidfile(proc, strategy, ready=False)
+        try:
+            ready_s = proc.wait_ready(lambda: self.adapter.probe(self.policy), self.policy.restart["start_timeout_s"])
+        except EngineStartError:
+            if proc.alive():
+                proc.stop(timeout_s=5)
+            self.pidfile.unlink(missing_ok=True)
+            raise
+        self._write_pidfile(proc, strategy, ready=True)
+        started = Started(process=proc, ready_s=ready_s)
+        try:
+            stats = self.adapter.stats(self.policy)
+            started.stats = stats
+            started.engine_phases = stats.get("phases", {})
+            started.weight_source = (stats.get("load") or {}).get("source")
+        except Exception:
+            pass
+        return started
+
+    def adopt(self, pid: int, strategy: str) -> EngineProcess:
+        """Record a process restartkit did not spawn itself (a CRIU restore) as the engine."""
+        self.ensure_state_dir()
+        proc = EngineProcess(pid=pid, create_time=_create_time(pid), log_path=self.log_path, seam=self.seam)
+        self._write_pidfile(proc, strategy, ready=False)
+        return proc
+
+    def mark_ready(self, proc: EngineProcess, strategy: str) -> None:
+        self._write_pidfile(proc, strategy, ready=True)
+
+    def _write_pidfile(self, proc: EngineProcess, strategy: str, ready: bool) -> None:
+        write_json_atomic(self.pidfile, {
+            "pid": proc.pid, "create_time": proc.create_time, "port": self.policy.service["port"],
+            "strategy": strategy, "ready": ready, "written_at": time.time(),
+        })
+
+    def stop(self) -> str:
+        proc = self.current()
+        if proc is None:
+            self.pidfile.unlink(missing_ok=True)
+            return "not running"
+        r = self.policy.restart
+        how = proc.stop(timeout_s=r["stop_timeout_s"])
+        self.pidfile.unlink(missing_ok=True)
+        return how
+
+    # ---- canary -------------------------------------------------------------------
+    def canary(self) -> list[list[int]]:
+        tokens = self.adapter.canary(self.policy)
+        self.ensure_state_dir()
+        write_json_atomic(self.canary_path, {"taken_at": time.time(), "model": self.policy.service["model"],
+                                             "prompts": self.policy.restart["canary_prompts"], "tokens": tokens})
+        return tokens
+
+    def stored_canary(self) -> tuple[list[list[int]] | None, str]:
+        try:
+            data = json.loads(self.canary_path.read_text())
+        except (OSError, ValueError):
+            return None, "no canary stored"
+        if data.get("prompts") != self.policy.restart["canary_prompts"] or data.get("model") != self.policy.service["model"]:
+            return None, "the stored canary is for other prompts or another model"
+        return data["tokens"], time.strftime("stored canary from %Y-%m-%d %H:%M:%S", time.localtime(data["taken_at"]))
+
+
+def subprocess_devnull():
+    import subprocess
+    return subprocess.DEVNULL
+
+
+def _create_time(pid: int) -> float | None:
+    try:
+        import psutil
+        return psutil.Process(pid).create_time()
+    except Exception:
+        return None

@@ -1,0 +1,199 @@
+"""Supervision of one engine process as an explicit state machine.
+
+    STARTING -> READY -> STOPPING -> EXITED
+    STARTING -> EXITED (it died while starting) -> FATAL (we give up, with a reason)
+    STARTING -> BACKOFF (not ready yet; probing again) -> STARTING
+
+Ready means a real completion was answered within the deadline, never "the
+PID exists".  Stopping is one fixed escalation: SIGTERM, wait, SIGKILL, wait;
+"no such process" means already gone.  Every side effect (spawning, signals,
+the clock, sleeping) goes through `Seam`, which the logic tests replace.
+"""
+from __future__ import annotations
+
+import enum
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import tenacity
+
+from restartkit.errors import EngineStartError
+
+
+class ProcState(enum.Enum):
+    STARTING = "starting"
+    BACKOFF = "backoff"
+    READY = "ready"
+    STOPPING = "stopping"
+    EXITED = "exited"
+    FATAL = "fatal"
+
+
+ALLOWED = {
+    ProcState.STARTING: {ProcState.READY, ProcState.BACKOFF, ProcState.EXITED, ProcState.STOPPING, ProcState.FATAL},
+    ProcState.BACKOFF: {ProcState.STARTING, ProcState.EXITED, ProcState.STOPPING, ProcState.FATAL},
+    ProcState.READY: {ProcState.STOPPING, ProcState.EXITED},
+    ProcState.STOPPING: {ProcState.EXITED},
+    ProcState.EXITED: {ProcState.FATAL},
+    ProcState.FATAL: set(),
+}
+
+
+class NotReady(Exception):
+    pass
+
+
+class ExitedEarly(Exception):
+    pass
+
+
+@dataclass
+class Seam:
+    """The one door for side effects."""
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
+    kill: Callable[[int, int], None] = os.kill
+    popen: Callable[..., subprocess.Popen] = subprocess.Popen
+
+    def alive(self, pid: int, create_time: float | None = None) -> bool:
+        try:
+            import psutil
+            p = psutil.Process(pid)
+            if p.status() == psutil.STATUS_ZOMBIE:
+                return False
+            return create_time is None or abs(p.create_time() - create_time) < 0.5
+        except Exception:  # NoSuchProcess, AccessDenied on a foreign PID
+            return False
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "exited (status unknown: not our child)"
+    if returncode < 0:
+        sig = signal.Signals(-returncode).name
+        why = " — out of memory?" if sig == "SIGKILL" else ""
+        return f"killed by {sig}{why}"
+    if returncode == 98:
+        return "exited with code 98: its port is already in use"
+    return f"exited with code {returncode}"
+
+
+def log_tail(path: Path | None, lines: int = 15) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+@dataclass
+class EngineProcess:
+    pid: int
+    create_time: float | None = None
+    log_path: Path | None = None
+    popen: subprocess.Popen | None = None
+    seam: Seam = field(default_factory=Seam)
+    state: ProcState = ProcState.STARTING
+    history: list[tuple[str, float]] = field(default_factory=list)
+
+    def to(self, new: ProcState) -> None:
+        if new not in ALLOWED[self.state]:
+            raise RuntimeError(f"engine {self.pid}: {self.state.value} -> {new.value} is not a valid transition")
+        self.state = new
+        self.history.append((new.value, self.seam.clock()))
+
+    def returncode(self) -> int | None:
+        return self.popen.poll() if self.popen is not None else None
+
+    def alive(self) -> bool:
+        if self.popen is not None:
+            return self.popen.poll() is None
+        return self.seam.alive(self.pid, self.create_time)
+
+    def wait_ready(self, probe: Callable[[], None], timeout_s: float, interval_s: float = 0.25) -> float:
+        """Probe until it passes; returns seconds waited.  Raises
+        EngineStartError (state FATAL) when the process exits or the deadline passes."""
+        t0 = self.seam.clock()
+
+        def attempt():
+            if not self.alive():
+                raise ExitedEarly()
+            try:
+                probe()
+            except Exception as e:
+                if self.state is ProcState.STARTING:
+                    self.to(ProcState.BACKOFF)
+                raise NotReady(str(e)) from e
+            if self.state is ProcState.BACKOFF:
+                self.to(ProcState.STARTING)
+
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_delay(timeout_s),
+            wait=tenacity.wait_fixed(interval_s),
+            retry=tenacity.retry_if_exception_type(NotReady),
+            sleep=self.seam.sleep,
+            reraise=True,
+        )
+        try:
+            retrying(attempt)
+        except ExitedEarly:
+            self.to(ProcState.EXITED)
+            self.to(ProcState.FATAL)
+            # give the log a moment to be flushed by the dying process
+            rc = self.returncode()
+            raise EngineStartError(
+                f"the engine (PID {self.pid}) {describe_exit(rc)} while starting",
+                hint=_start_hint(rc, log_tail(self.log_path)) + (f"; log: {self.log_path}" if self.log_path else ""),
+                log_tail=log_tail(self.log_path)) from None
+        except NotReady as e:
+            self.to(ProcState.FATAL)
+            raise EngineStartError(
+                f"the engine (PID {self.pid}) was not ready within {timeout_s:.0f} s (last probe: {e})",
+                hint=f"raise [restart] start_timeout_s if the model is large; see the log: {self.log_path}",
+                log_tail=log_tail(self.log_path)) from None
+        if self.state is ProcState.BACKOFF:
+            self.to(ProcState.STARTING)
+        self.to(ProcState.READY)
+        return self.seam.clock() - t0
+
+    def stop(self, timeout_s: float = 30.0, kill_timeout_s: float = 10.0) -> str:
+        """SIGTERM, wait, SIGKILL, wait.  Returns how it ended."""
+        if self.state not in (ProcState.STOPPING, ProcState.EXITED, ProcState.FATAL):
+            self.to(ProcState.STOPPING)
+        how = "already gone"
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, kill_timeout_s)):
+            if not self.alive():
+                break
+            try:
+                self.seam.kill(self.pid, sig)
+            except ProcessLookupError:  # no such process: already gone
+                if self.state is ProcState.STOPPING:
+                    self.to(ProcState.EXITED)
+                return how
+            how = "stopped by SIGTERM" if sig == signal.SIGTERM else f"did not stop within {timeout_s:.0f} s; killed"
+            deadline = self.seam.clock() + wait_s
+            while self.alive() and self.seam.clock() < deadline:
+                self.seam.sleep(0.05)
+        if self.alive():
+            raise RuntimeError(f"engine {self.pid} survived SIGKILL (uninterruptible sleep?)")
+        if self.state is ProcState.STOPPING:
+            self.to(ProcState.EXITED)
+        return how
+
+
+def _start_hint(rc: int | None, tail: str) -> str:
+    if rc == 98 or "Address already in use" in tail or "cannot listen" in tail:
+        return "another process holds the port: stop it or change [service] port"
+    if rc is not None and rc < 0 and -rc == signal.SIGKILL:
+        return "look for the OOM killer in `dmesg`, or lower max_model_len"
+    last = tail.strip().splitlines()[-1] if tail.strip() else "no output"
+    return f"the engine's last words: {last}"

@@ -1,0 +1,63 @@
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RESTARTKIT = [sys.executable, "-m", "restartkit.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from restartkit.reference.checkpoint import write_checkpoint
+    return write_checkpoint(tmp_path_factory.mktemp("models") / "tiny", "tiny")
+
+
+@pytest.fixture
+def make_policy(tmp_path, tiny_model):
+    """Write a policy for the tiny model on a free port; returns its path."""
+    def make(extra: str = "", model: str | None = None, name: str = "svc", service_extra: str = "", port: int | None = None) -> Path:
+        port = port or free_port()
+        text = textwrap.dedent(f"""\
+            [service]
+            name = "{name}"
+            engine = "reference"
+            model = "{model or tiny_model}"
+            port = {port}
+            max_model_len = 256
+            engine_args = ["--threads", "1"]
+            state_dir = "{tmp_path / 'state'}"
+            """) + service_extra + textwrap.dedent("""
+            [restart]
+            start_timeout_s = 60
+            stop_timeout_s = 10
+            canary_max_tokens = 8
+            """) + extra
+        path = tmp_path / f"{name}.toml"
+        path.write_text(text)
+        return path
+    return make
+
+
+def run_cli(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([*RESTARTKIT, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, cwd=ROOT)
+
+
+@pytest.fixture
+def service_cleanup():
+    """Stop every engine a test started, whatever happens."""
+    policies = []
+    yield policies.append
+    for p in policies:
+        run_cli("stop", "--policy", p)

@@ -1,0 +1,142 @@
+"""A real reference engine, restarted cold through the CLI: records, proof,
+exit codes, and the errors a user meets (port in use, missing model, a crash)."""
+import json
+import socket
+import time
+
+import pytest
+
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def start(policy, cleanup):
+    cleanup(policy)
+    r = run_cli("start", "--policy", policy, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_cold_restart_is_proven_by_an_identical_canary(make_policy, service_cleanup):
+    policy = make_policy()
+    first = start(policy, service_cleanup)
+    r = run_cli("restart", "--policy", policy, "--strategy", "cold", "--json")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    assert rec["final_state"] == "serving" and rec["served_by"] == "cold" and not rec["via_recovery"]
+    assert rec["proof"]["canary_identical"] is True
+    assert rec["proof"]["baseline_source"] == "live engine before the restart"
+    assert rec["proof"]["before"] == rec["proof"]["after"] and len(rec["proof"]["after"][0]) == 8
+    attempt = rec["attempts"][0]
+    assert set(attempt["phases"]) == {"stop", "start_to_ready"}
+    assert {"import_torch", "weight_load", "kv_cache_alloc", "warmup"} <= set(attempt["engine_phases"])
+    assert rec["time_to_ready_s"] > 0
+    status = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
+    assert status["serving"] and status["pid"] != first["pid"]
+    # the record is in the history, and the metrics count it
+    hist = json.loads(run_cli("history", "--policy", policy, "--json").stdout)["records"]
+    assert hist[-1]["id"] == rec["id"]
+    prom = (policy.parent / "state" / "svc" / "metrics.prom").read_text()
+    assert 'restartkit_restart_total{service="svc",strategy="cold",outcome="ok"} 1' in prom
+    assert 'restartkit_time_to_ready_seconds{service="svc",strategy="cold"}' in prom
+
+
+def test_openai_client_is_token_identical_across_a_restart(make_policy, service_cleanup):
+    openai = pytest.importorskip("openai")
+    policy = make_policy()
+    info = start(policy, service_cleanup)
+    port = int(policy.read_text().split("port = ")[1].split()[0])
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+    model = client.models.list().data[0].id
+
+    def ask():
+        c = client.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0)
+        return c.choices[0].text, c.choices[0].model_extra["token_ids"]
+
+    before = ask()
+    assert len(before[1]) == 12
+    assert run_cli("restart", "--policy", policy, "--strategy", "cold").returncode == 0
+    assert ask() == before
+
+
+def test_auto_falls_to_cold_and_plan_lists_all_four(make_policy, service_cleanup):
+    policy = make_policy()
+    start(policy, service_cleanup)
+    plan = json.loads(run_cli("plan", "--policy", policy, "--json").stdout)
+    assert [s["strategy"] for s in plan["strategies"]] == ["sleep", "ipc", "criu", "cold"]
+    assert plan["attempt"] == "cold"
+    assert all(s["reasons"] for s in plan["strategies"] if not s["eligible"])
+
+
+def test_forced_unbuilt_strategy_is_a_recorded_recovery(make_policy, service_cleanup):
+    policy = make_policy()
+    start(policy, service_cleanup)
+    r = run_cli("restart", "--policy", policy, "--strategy", "ipc", "--strict", "--json")
+    assert r.returncode == 3, r.stderr  # serving, but only through recovery
+    rec = json.loads(r.stdout)
+    assert rec["final_state"] == "serving" and rec["via_recovery"]
+    assert "ipc is not eligible" in rec["recovery_reason"]
+    assert [a["role"] for a in rec["attempts"]] == ["primary", "recovery"]
+    assert rec["proof"]["canary_identical"] is True
+
+
+def test_port_in_use_is_named(make_policy, service_cleanup):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        policy = make_policy(port=port)
+        service_cleanup(policy)
+        r = run_cli("start", "--policy", policy)
+    assert r.returncode == 1
+    assert f"port {port} is already in use" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_missing_model_directory(make_policy, tmp_path, service_cleanup):
+    policy = make_policy(model=str(tmp_path / "nowhere"))
+    service_cleanup(policy)
+    r = run_cli("start", "--policy", policy)
+    assert r.returncode == 1 and "does not exist" in r.stderr and "model create" in r.stderr
+    plan = json.loads(run_cli("plan", "--policy", policy, "--json").stdout)
+    assert plan["attempt"] is None
+    r = run_cli("restart", "--policy", policy, "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["final_state"] == "not serving"
+
+
+def test_engine_that_crashes_during_start(make_policy, tmp_path, service_cleanup, tiny_model):
+    import shutil
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    first = sorted(broken.glob("*.safetensors"))[0]
+    first.write_bytes(first.read_bytes()[:100])  # truncated shard
+    policy = make_policy(model=str(broken))
+    service_cleanup(policy)
+    t0 = time.monotonic()
+    r = run_cli("start", "--policy", policy)
+    assert r.returncode == 1
+    assert "exited with code 1 while starting" in r.stderr and "Traceback" not in r.stderr
+    assert "start failed" in r.stderr  # the engine's own last words are shown
+    assert time.monotonic() - t0 < 30  # it gave up at once, no waiting for the deadline
+
+
+def test_bad_policy_is_exit_2_without_traceback(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[service]\nname = "x"\nmodel = "/m"\nport = "eighty"\n')
+    for cmd in (["policy", "check", bad], ["plan", "--policy", bad], ["restart", "--policy", bad]):
+        r = run_cli(*cmd)
+        assert r.returncode == 2, cmd
+        assert "[service.port]" in r.stderr and "must be an integer" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_help_is_fast_and_does_not_import_torch():
+    import subprocess
+    import sys
+    code = "import sys, time; t=time.perf_counter(); sys.argv=['restartkit','--help'];\n" \
+           "from restartkit.cli import main\ntry: main()\nexcept SystemExit: pass\n" \
+           "print('TORCH' if 'torch' in sys.modules else 'NOTORCH', time.perf_counter()-t, file=sys.stderr)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "NOTORCH" in r.stderr, r.stderr
+    for cmd in (["facts", "--json"], ["plan", "--help"]):
+        out = subprocess.run([sys.executable, "-X", "importtime", "-m", "restartkit.cli", *cmd], capture_output=True, text=True)
+        assert " torch\n" not in out.stderr and "| torch\n" not in out.stderr, cmd

@@ -1,0 +1,82 @@
+"""The planner is pure: facts and policy built here, no processes, no sleeping."""
+from restartkit.facts import CriuFacts, HostFacts
+from restartkit.planner import make_plan, render_plan
+from restartkit.policy import parse_policy
+from restartkit.strategies import all_strategies
+from restartkit.strategies.base import BaseStrategy, Facts, ServiceFacts
+
+
+def host(**kw) -> HostFacts:
+    base = dict(arch="x86_64", kernel="6.1", uid=0, user="root", passwordless_sudo=True, machine_id="m",
+                python="3.11", cpu_count=2, mem_total_bytes=1 << 34, mem_available_bytes=1 << 33,
+                io_uring_disabled=2, criu=CriuFacts(path="/c/criu", source="PATH", version="4.2.1", check_ok=True))
+    base.update(kw)
+    return HostFacts(**base)
+
+
+def facts(reason="restart", **kw) -> Facts:
+    return Facts(host=host(**kw), service=ServiceFacts(engine="reference", engine_running=True, engine_ready=True), reason=reason)
+
+
+def policy(**service):
+    return parse_policy({"service": {"name": "s", "model": "/m", **service}})
+
+
+class Always(BaseStrategy):
+    def __init__(self, name, ok=True):
+        self.name = name
+        self.prerequisites = [] if ok else [lambda f, p: f"{name} says no", lambda f, p: f"{name} says no twice"]
+
+
+def test_auto_runs_the_first_eligible_in_the_default_order():
+    strategies = {"sleep": Always("sleep", ok=False), "ipc": Always("ipc"), "criu": Always("criu"), "cold": Always("cold")}
+    plan = make_plan(facts(), policy(), "auto", strategies)
+    assert plan.attempt == "ipc"
+    assert plan.order == ["sleep", "ipc", "criu", "cold"]
+    # every failed reason is kept, not just the first
+    assert plan.verdicts["sleep"].reasons == ["sleep says no", "sleep says no twice"]
+
+
+def test_auto_respects_the_policy_order():
+    strategies = {n: Always(n) for n in ("sleep", "ipc", "criu", "cold")}
+    p = parse_policy({"service": {"name": "s", "model": "/m"}, "restart": {"strategies": ["criu", "ipc"]}})
+    plan = make_plan(facts(), p, "auto", strategies)
+    assert plan.attempt == "criu"
+    assert plan.order[:2] == ["criu", "ipc"] and set(plan.order) == set(strategies)
+
+
+def test_a_forced_ineligible_strategy_goes_straight_to_recovery():
+    strategies = {"sleep": Always("sleep"), "ipc": Always("ipc"), "criu": Always("criu", ok=False), "cold": Always("cold")}
+    plan = make_plan(facts(), policy(), "criu", strategies)
+    assert plan.attempt == "cold" and plan.goes_straight_to_recovery
+    assert any("not eligible" in n for n in plan.notes)
+
+
+def test_nothing_can_run_when_cold_cannot():
+    strategies = {n: Always(n, ok=False) for n in ("sleep", "ipc", "criu", "cold")}
+    plan = make_plan(facts(), policy(), "auto", strategies)
+    assert plan.attempt is None
+    assert "nothing can run" in render_plan(plan)
+
+
+def test_real_registry_reports_unbuilt_strategies_honestly():
+    plan = make_plan(facts(), policy(), "auto", all_strategies())
+    for name in ("sleep", "ipc"):
+        v = plan.verdicts[name]
+        assert not v.eligible and not v.built and "not built" in v.reasons[0]
+
+
+def test_criu_prerequisites_each_give_a_reason():
+    f = facts(arch="aarch64", uid=1000, user="ann", passwordless_sudo=False, io_uring_disabled=0,
+              criu=CriuFacts(path="/usr/sbin/criu", source="PATH", version="3.17.1", check_ok=False, check_output="vdso"))
+    p = policy(tensor_parallel_size=2, engine="vllm")
+    reasons = " | ".join(all_strategies()["criu"].check(f, p).reasons)
+    for words in ("x86-64", "passwordless sudo", "tensor_parallel_size = 2", "is too old: 4.0 or newer",
+                  "io_uring_disabled=2", "40-character"):
+        assert words in reasons, words
+
+
+def test_criu_missing_binary_names_the_installer():
+    f = facts(criu=CriuFacts(path=None, source="not found in RESTARTKIT_CRIU, /opt/restartkit/criu or PATH"))
+    reasons = all_strategies()["criu"].check(f, policy()).reasons
+    assert any("scripts/install-criu" in r for r in reasons)

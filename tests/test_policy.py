@@ -1,0 +1,68 @@
+"""Policy files: defaults, and errors that name the file, the key and what is allowed."""
+import pytest
+
+from restartkit.demo import DEFAULT_WORKDIR, DEMO_POLICY
+from restartkit.errors import PolicyError
+from restartkit.policy import load_policy, parse_policy
+from tests.conftest import ROOT
+
+BASE = {"service": {"name": "s", "model": "/m"}}
+
+
+def with_(section, **kv):
+    data = {k: dict(v) for k, v in BASE.items()}
+    data.setdefault(section, {}).update(kv)
+    return data
+
+
+def test_defaults_are_filled():
+    p = parse_policy(BASE)
+    assert p.service["port"] == 8000
+    assert p.ipc["connect_timeout_s"] == 5.0 and p.ipc["state_timeout_s"] == 300.0 and p.ipc["fallback"] is True
+    assert p.strategies == ["auto"]
+
+
+@pytest.mark.parametrize("data, key, words", [
+    (with_("service", port=70000), "service.port", "1..65535"),
+    (with_("service", port=True), "service.port", "integer"),
+    (with_("ipc", fallback="false"), "ipc.fallback", "boolean"),
+    (with_("ipc", mode="fast"), "ipc.mode", "zero_copy, copy"),
+    (with_("service", revision="main"), "service.revision", "40-character"),
+    (with_("restart", strategies=["cold", "warp"]), "restart.strategies", "warp"),
+    (with_("sleep", level=3), "sleep.level", "1, 2"),
+    (with_("service", colour="red"), "service.colour", "keys of [service]"),
+    ({"service": {"name": "s"}}, "service.model", "required"),
+    ({**BASE, "extra": {}}, "extra", "sections are"),
+])
+def test_bad_values_name_the_key_and_the_fix(data, key, words):
+    with pytest.raises(PolicyError) as e:
+        parse_policy(data, "svc.toml")
+    assert e.value.key == key
+    assert "svc.toml" in str(e.value) and words in str(e.value)
+
+
+def test_a_string_false_is_not_a_boolean():
+    # the prior art treats fallback = "false" as true; we refuse it
+    with pytest.raises(PolicyError, match="fallback"):
+        parse_policy(with_("ipc", fallback="false"))
+
+
+def test_bad_toml_names_the_file(tmp_path):
+    f = tmp_path / "bad.toml"
+    f.write_text("[service\nname = 1")
+    with pytest.raises(PolicyError, match="bad.toml.*not valid TOML"):
+        load_policy(f)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(PolicyError, match="no such policy file"):
+        load_policy(tmp_path / "nope.toml")
+
+
+def test_example_policies_parse():
+    for f in (ROOT / "policies").glob("*.toml"):
+        load_policy(f)
+
+
+def test_demo_policy_file_matches_the_embedded_template():
+    assert (ROOT / "policies" / "demo.toml").read_text() == DEMO_POLICY.format(workdir=DEFAULT_WORKDIR)
