@@ -221,6 +221,72 @@ def history(policy_path, last, as_json):
     emit({"records": recs}, as_json, "\n".join(render_record(r) for r in recs) or "no restarts recorded")
 
 
+# ---- the weight cache ------------------------------------------------------------------
+
+@main.command()
+@click.option("--policy", "policy_path", envvar="RESTARTKIT_POLICY", type=click.Path(dir_okay=False), default=None,
+              help="Take the layout from a policy; flags below override it.")
+@click.option("--model", default=None)
+@click.option("--tensor-parallel-size", type=int, default=None)
+@click.option("--data-parallel-size", type=int, default=None)
+@click.option("--data-parallel-start-rank", type=int, default=None)
+@click.option("--enable-expert-parallel", is_flag=True, default=None)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
+@click.option("--quantization", type=click.Choice(["none", "int8"]), default=None)
+@click.option("--nnodes", type=int, default=None)
+@click.option("--node-rank", type=int, default=None)
+@click.option("--master-addr", default=None)
+@click.option("--weight-cache-master-port", type=int, default=None)
+@click.option("--draft-model", default=None)
+@click.option("--health-port", type=int, default=None)
+@click.option("--health-host", default=None, help="Default 127.0.0.1: never exposed unless you say so.")
+@click.option("--socket-dir", default=None)
+@click.option("--startup-timeout", type=float, default=None, help="Seconds for every local rank to be ready.")
+@click.option("--detach", is_flag=True, help="Run the launcher in the background; return once every rank is ready.")
+@click.option("--wait-ready", is_flag=True, help="Start nothing: wait until a running weight cache is ready.")
+@state_dir_option
+@friendly
+def preload(policy_path, detach, wait_ready, **flags):
+    """Start the weight-cache daemons (one per local device) and keep them running."""
+    from restartkit.weightcache.prelaunch import preload_command
+    sys.exit(preload_command(policy_path, flags, detach=detach, wait_ready=wait_ready, say=click.echo))
+
+
+@main.group()
+def weightcache():
+    """Ask or tell the weight-cache daemons of a service."""
+
+
+@weightcache.command("status")
+@policy_option
+@json_option
+@state_dir_option
+@friendly
+def weightcache_status(policy_path, as_json):
+    """Each rank's daemon: state, fingerprint, bytes, attached engines."""
+    from restartkit.weightcache.client import daemon_stats
+    stats = daemon_stats(load(policy_path).policy)
+    text = "\n".join(f"{d['device_uuid']}: {d.get('state')}" + (f", {d.get('tensors')} tensors, {d.get('nbytes', 0) / 1e9:.3f} GB, attached {d.get('attached')}" if d.get("state") == "ready" else "") for d in stats)
+    emit({"daemons": stats}, as_json, text)
+    sys.exit(EXIT_SERVING if all(d.get("state") == "ready" for d in stats) else EXIT_NOT_SERVING)
+
+
+@weightcache.command("release")
+@policy_option
+@click.option("--force", is_flag=True, help="Release even while zero_copy engines map the weights.")
+@click.option("--stop", "stop_daemons", is_flag=True, help="Stop the daemons instead of only freeing their memory.")
+@json_option
+@state_dir_option
+@friendly
+def weightcache_release(policy_path, force, stop_daemons, as_json):
+    """Free the daemons' memory (or stop them); refused while zero_copy engines are attached."""
+    from restartkit.weightcache.client import send_all
+    replies = send_all(load(policy_path).policy, "stop" if stop_daemons else "release", force)
+    emit({"replies": replies}, as_json, "\n".join(f"{r['device_uuid']}: {'ok' if r.get('ok') else r.get('message') or r.get('error')}" for r in replies))
+    sys.exit(EXIT_SERVING if all(r.get("ok") for r in replies) else EXIT_NOT_SERVING)
+
+
 # ---- models and the reference engine -------------------------------------------------
 
 @main.group()

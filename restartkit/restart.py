@@ -56,6 +56,10 @@ def restart(service: Service, requested: str = "auto", reason: str = "restart", 
         rec.recovery_reason = f"{primary} failed: {outcome.error}"
         say(f"{primary} failed ({outcome.error}); recovering with a cold start")
         outcome = _attempt(strategies[plan.recovery], service, facts, baseline, rec, role="recovery")
+    if outcome.ok and outcome.fallback:
+        rec.via_recovery = True
+        rec.recovery_reason = f"{outcome.strategy} served through its fallback: {outcome.fallback}"
+        say(rec.recovery_reason)
     if outcome.ok:
         rec.final_state = "serving"
         rec.served_by = outcome.strategy

@@ -91,7 +91,26 @@ class Service:
         if proc is not None:
             sf.engine_running, sf.pid = True, proc.pid
             sf.engine_ready = self.is_ready()
+        if not sf.model_problem and self.policy.service["engine"] == "reference":
+            sf.extra["ipc"] = self.ipc_facts()
         return sf
+
+    def ipc_facts(self) -> dict:
+        """The daemons' states and fingerprints, and what the engine would ask for."""
+        try:
+            from restartkit.weightcache.client import daemon_stats, layout_from_policy
+            from restartkit.weightcache.fingerprint import checkpoint_digest, fingerprint
+            daemons = daemon_stats(self.policy)
+            if not any(d.get("state") == "ready" for d in daemons):
+                return {"daemons": daemons, "expected": []}
+            lay = layout_from_policy(self.policy)
+            digest = checkpoint_digest(lay.model)[0]
+            expected = [fingerprint(lay.model, tp_size=lay.tp_size, tp_rank=r, dp_size=lay.dp_size, dp_rank=lay.dp_start_rank,
+                                    expert_parallel=lay.expert_parallel, dtype=lay.dtype, quantization=lay.quantization,
+                                    revision=lay.revision, checkpoint=digest) for r in range(lay.tp_size)]
+            return {"daemons": daemons, "expected": expected}
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"}
 
     def port_holder(self) -> str | None:
         """Who listens on the service's port, if anyone."""

@@ -60,6 +60,7 @@ class Outcome:
     engine_phases: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     detail: dict[str, Any] = field(default_factory=dict)
+    fallback: str | None = None  # served, but not by the fast path (e.g. "fallback(dtype)")
 
     def to_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items()}

@@ -61,9 +61,24 @@ def test_nothing_can_run_when_cold_cannot():
 
 def test_real_registry_reports_unbuilt_strategies_honestly():
     plan = make_plan(facts(), policy(), "auto", all_strategies())
-    for name in ("sleep", "ipc"):
+    for name in ("sleep", "criu"):
         v = plan.verdicts[name]
         assert not v.eligible and not v.built and "not built" in v.reasons[0]
+    assert plan.verdicts["ipc"].built and not plan.verdicts["ipc"].eligible
+
+
+def test_ipc_reasons_name_the_daemon_and_the_fields():
+    f = facts()
+    f.service.extra["ipc"] = {"daemons": [{"device_uuid": "cpu-x-rank0", "state": "absent"}], "expected": []}
+    reasons = all_strategies()["ipc"].check(f, policy()).reasons
+    assert any("restartkit preload" in r for r in reasons)
+    fp = {"checkpoint": "a", "dtype": "float32"}
+    f.service.extra["ipc"] = {"daemons": [{"device_uuid": "GPU-1", "state": "ready", "fingerprint": fp}],
+                              "expected": [{**fp, "dtype": "bfloat16"}]}
+    reasons = all_strategies()["ipc"].check(f, policy()).reasons
+    assert reasons == ["the daemon holds other weights than the engine wants: GPU-1: dtype differs (daemon 'float32', engine 'bfloat16')"]
+    p = parse_policy({"service": {"name": "s", "model": "/m", "engine_args": ["--enable-sleep-mode"]}})
+    assert any("sleep mode" in r for r in all_strategies()["ipc"].check(f, p).reasons)
 
 
 def test_criu_prerequisites_each_give_a_reason():

@@ -18,11 +18,23 @@ class ReferenceAdapter(EngineAdapter):
                 "--max-model-len", str(s["max_model_len"]), "--served-model-name", self.served_name(policy)]
         if s["dtype"] != "auto":
             argv += ["--dtype", s["dtype"]]
+        argv += ["--tensor-parallel-size", str(s["tensor_parallel_size"]), "--quantization", s["quantization"],
+                 "--data-parallel-size", str(s["data_parallel_size"]), "--revision", s["revision"],
+                 "--data-parallel-rank", str(policy.ipc["data_parallel_start_rank"])]
+        if s["expert_parallel"]:
+            argv.append("--enable-expert-parallel")
         argv += list(s["engine_args"]) + list(extra_args)
         return LaunchSpec(argv=argv, env=dict(s["env"]))
 
     def model_problem(self, policy) -> str | None:
         return model_dir_ok(policy.service["model"])
+
+    def ipc_args(self, policy) -> list[str]:
+        """Flags that make the engine load through the weight cache."""
+        import json
+        i = policy.ipc
+        cfg = {k: i[k] for k in ("mode", "fallback", "connect_timeout_s", "state_timeout_s", "socket_dir")}
+        return ["--load-format", "ipc_cache", "--ipc-config", json.dumps(cfg)]
 
     def version(self) -> str:
         return __version__

@@ -8,12 +8,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from restartkit.reference.checkpoint import DTYPES, iter_checkpoint
-from restartkit.reference.model import LlamaForCausalLM, ModelConfig
+from restartkit.reference.checkpoint import DTYPES
+from restartkit.reference.model import LlamaForCausalLM, ModelConfig, Parallel, check_parallel
+from restartkit.reference.weights import build_model, processed_weights
 
 
 @dataclass
@@ -24,6 +24,11 @@ class EngineOptions:
     max_model_len: int = 1024
     cuda_graph: bool = True
     seed: int = 0
+    tp_size: int = 1
+    tp_rank: int = 0
+    expert_parallel: bool = False
+    quantization: str = "none"
+    dist_init: str = ""  # tcp://host:port of rank 0, for tp_size > 1
 
 
 @dataclass
@@ -36,6 +41,9 @@ class Completion:
 
 class EngineNotReady(RuntimeError):
     pass
+
+
+CMD_EXIT, CMD_GENERATE, CMD_DROP_KV, CMD_RESTORE_KV = 0, 1, 2, 3
 
 
 @dataclass
@@ -52,7 +60,14 @@ class Engine:
     # ---- start-up ----------------------------------------------------------
     @property
     def device(self) -> torch.device:
+        if self.options.device == "cuda" and self.options.tp_size > 1:
+            return torch.device("cuda", self.options.tp_rank)
         return torch.device(self.options.device)
+
+    @property
+    def par(self) -> Parallel:
+        o = self.options
+        return Parallel(tp_size=o.tp_size, tp_rank=o.tp_rank, expert_parallel=o.expert_parallel)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -72,35 +87,69 @@ class Engine:
         """Build the model and bring it to ready.  `weights`, when given, is
         a callable that fills the meta-device model (the ipc loader)."""
         if self.device.type == "cuda":
-            self._timed("cuda_init", torch.cuda.init)
+            self._timed("cuda_init", lambda: torch.cuda.set_device(self.device))
         self.config = ModelConfig.load(self.options.model)
+        if problem := check_parallel(self.config, self.par):
+            raise ValueError(problem)
+        if self.options.tp_size > 1:
+            self._timed("dist_init", self.init_distributed)
         self._timed("weight_load", weights or self.load_from_disk)
+        if self.options.tp_size > 1:
+            self._gather_load_results()
         self._timed("kv_cache_alloc", self.model.allocate_kv_cache, self.options.max_model_len)
         self._timed("warmup", self.warmup)
-        if self.device.type == "cuda" and self.options.cuda_graph:
+        if self.device.type == "cuda" and self.options.cuda_graph and self.options.tp_size == 1:
             self._timed("cuda_graph_capture", self.capture_decode_graph)
 
+    def init_distributed(self) -> None:
+        import datetime
+
+        import torch.distributed as dist
+        o = self.options
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=o.dist_init, world_size=o.tp_size, rank=o.tp_rank,
+                                timeout=datetime.timedelta(seconds=300))
+        # Requests travel on a CPU group whatever the device.  Workers wait on
+        # it while idle, so it never times out; a dead rank 0 takes them down
+        # through their parent-death signal instead.
+        self._control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+
+    def _gather_load_results(self) -> None:
+        """Every rank's weight source, so rank 0 can say hit, fallback or mixed."""
+        import torch.distributed as dist
+        codes = {"hit": 1, "fallback": 2}
+        mine = torch.tensor([codes.get(self.load_info.get("ipc"), 0)], dtype=torch.long)
+        every = [torch.zeros(1, dtype=torch.long) for _ in range(self.options.tp_size)]
+        dist.all_gather(every, mine, group=self._control)
+        names = {1: "hit", 2: "fallback", 0: "disk"}
+        self.load_info["ranks"] = [names[int(t)] for t in every]
+
     def build_on_meta(self) -> LlamaForCausalLM:
-        with torch.device("meta"):
-            model = LlamaForCausalLM(self.config)
-        return model.to(dtype=self.dtype)
+        return build_model(self.config, self.par, self.dtype, self.options.quantization)
 
     def load_from_disk(self) -> None:
+        o = self.options
+        self.install(processed_weights(o.model, self.config, self.par, self.dtype, o.quantization, str(self.device)),
+                     {"source": "disk"})
+
+    def install(self, named_tensors, info: dict) -> None:
+        """Place processed tensors into a meta-built model; every parameter must be filled."""
         model = self.build_on_meta()
         params = dict(model.named_parameters())
         seen = set()
-        for name, tensor in iter_checkpoint(self.options.model, device=str(self.device)):
+        for name, tensor in named_tensors:
             if name not in params:
-                raise ValueError(f"checkpoint tensor {name} has no place in the model")
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
-            set_tensor(model, name, tensor.to(self.dtype))
+                raise ValueError(f"tensor {name} has no place in the model")
+            if tuple(tensor.shape) != tuple(params[name].shape) or tensor.dtype != params[name].dtype:
+                raise ValueError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, the model wants "
+                                 f"{tuple(params[name].shape)} {params[name].dtype}")
+            set_tensor(model, name, tensor)
             seen.add(name)
         missing = set(params) - seen
         if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[0]}")
+            raise ValueError(f"{len(missing)} tensors are missing, e.g. {sorted(missing)[0]}")
         self.model = model.eval()
-        self.load_info = {"source": "disk", "tensors": len(seen)}
+        self.load_info = {**info, "tensors": len(seen)}
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -131,10 +180,52 @@ class Engine:
     def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0,
                  seed: int | None = None, want_logprobs: bool = False) -> Completion:
         with self.lock:
+            self._validate(prompt, max_tokens)
+            if self.options.tp_size > 1:
+                self._broadcast(CMD_GENERATE, prompt, max_tokens, temperature, seed, want_logprobs)
             return self._generate_locked(prompt, max_tokens, temperature, seed, want_logprobs)
 
-    @torch.inference_mode()
-    def _generate_locked(self, prompt, max_tokens, temperature, seed, want_logprobs) -> Completion:
+    # ---- tensor parallel: rank 0 tells the others what to run -------------------
+    def _broadcast(self, cmd: int, prompt=(), max_tokens=0, temperature=0.0, seed=None, want_logprobs=False):
+        import struct
+
+        import torch.distributed as dist
+        temp_bits = struct.unpack("<q", struct.pack("<d", float(temperature)))[0]
+        header = torch.tensor([cmd, len(prompt), max_tokens, temp_bits, -1 if seed is None else seed, int(want_logprobs)],
+                              dtype=torch.long)
+        group = getattr(self, "_control", None)
+        dist.broadcast(header, src=0, group=group)
+        if len(prompt):
+            dist.broadcast(torch.tensor(prompt, dtype=torch.long), src=0, group=group)
+
+    def worker_loop(self) -> None:
+        """Ranks > 0: run what rank 0 broadcasts, until told to exit."""
+        import struct
+
+        import torch.distributed as dist
+        group = getattr(self, "_control", None)
+        while True:
+            header = torch.zeros(6, dtype=torch.long)
+            dist.broadcast(header, src=0, group=group)
+            cmd, n, max_tokens, temp_bits, seed, want_lp = header.tolist()
+            if cmd == CMD_EXIT:
+                return
+            if cmd == CMD_GENERATE:
+                prompt = torch.zeros(n, dtype=torch.long)
+                dist.broadcast(prompt, src=0, group=group)
+                temperature = struct.unpack("<d", struct.pack("<q", temp_bits))[0]
+                self._generate_locked(prompt.tolist(), max_tokens, temperature, None if seed < 0 else seed, bool(want_lp))
+            elif cmd == CMD_DROP_KV:
+                self._drop_kv_locked()
+            elif cmd == CMD_RESTORE_KV:
+                self._restore_kv_locked()
+
+    def shutdown_workers(self) -> None:
+        if self.options.tp_size > 1 and self.options.tp_rank == 0:
+            with self.lock:
+                self._broadcast(CMD_EXIT)
+
+    def _validate(self, prompt, max_tokens) -> None:
         if self.model is None or self.model.cache_k is None:
             raise EngineNotReady("the engine holds no weights or KV cache")
         if not prompt:
@@ -144,6 +235,9 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+
+    @torch.inference_mode()
+    def _generate_locked(self, prompt, max_tokens, temperature, seed, want_logprobs) -> Completion:
         dev = self.device
         gen = torch.Generator().manual_seed(seed if seed is not None else self.options.seed)
         logits = self.model(torch.tensor(prompt, device=dev), torch.arange(len(prompt), device=dev))[-1]
@@ -180,22 +274,34 @@ class Engine:
     def drop_kv_cache(self) -> int:
         """Free the KV cache and cached allocator blocks; returns bytes freed."""
         with self.lock:
-            freed = self.model.kv_cache_bytes
-            self.drop_graph()
-            self.model.drop_kv_cache()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            return freed
+            if self.options.tp_size > 1:
+                self._broadcast(CMD_DROP_KV)
+            return self._drop_kv_locked()
+
+    def _drop_kv_locked(self) -> int:
+        freed = self.model.kv_cache_bytes
+        self.drop_graph()
+        self.model.drop_kv_cache()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
 
     def restore_kv_cache(self) -> None:
         with self.lock:
-            if self.model.cache_k is None:
-                self.model.allocate_kv_cache(self.options.max_model_len)
-                if self.device.type == "cuda" and self.options.cuda_graph:
-                    self.capture_decode_graph()
+            if self.options.tp_size > 1:
+                self._broadcast(CMD_RESTORE_KV)
+            self._restore_kv_locked()
+
+    def _restore_kv_locked(self) -> None:
+        if self.model.cache_k is None:
+            self.model.allocate_kv_cache(self.options.max_model_len)
+            if self.device.type == "cuda" and self.options.cuda_graph and self.options.tp_size == 1:
+                self.capture_decode_graph()
 
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.model is None:
+            return 0
+        return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.device.type != "meta")
 
 
 def set_tensor(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:

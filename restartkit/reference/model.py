@@ -79,6 +79,64 @@ class ModelConfig:
         return cls.from_hf(json.loads(path.read_text()))
 
 
+@dataclass(frozen=True)
+class Parallel:
+    """Tensor parallelism (heads and MLP columns split across ranks) and,
+    for MoE checkpoints, expert parallelism (whole experts split across the
+    same ranks).  `reduce` sums a partial result across ranks."""
+    tp_size: int = 1
+    tp_rank: int = 0
+    expert_parallel: bool = False
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            import torch.distributed as dist
+            dist.all_reduce(x)
+        return x
+
+    def owns_expert(self, e: int, n_experts: int) -> bool:
+        if not self.expert_parallel:
+            return True
+        per = n_experts // self.tp_size
+        return e // per == self.tp_rank
+
+
+SINGLE = Parallel()
+
+
+def shard_tensor(name: str, t: torch.Tensor, cfg: "ModelConfig", par: Parallel) -> torch.Tensor | None:
+    """This rank's part of a checkpoint tensor (None: the rank holds none of it).
+
+    Column-parallel (split rows of the weight): q/k/v, gate/up, expert w1/w3.
+    Row-parallel (split columns): o_proj, down_proj, expert w2.  Embedding,
+    norms, router and lm_head are replicated.  With expert parallelism each
+    rank holds whole experts instead of slices of every expert."""
+    if par.tp_size == 1:
+        return t
+    if ".experts." in name:
+        e = int(name.split(".experts.")[1].split(".")[0])
+        if par.expert_parallel:
+            return t if par.owns_expert(e, cfg.num_local_experts) else None
+    col = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.", ".w1.", ".w3.")
+    row = (".o_proj.", ".down_proj.", ".w2.")
+    if any(k in name for k in col):
+        return t.chunk(par.tp_size, dim=0)[par.tp_rank].contiguous()
+    if any(k in name for k in row):
+        return t.chunk(par.tp_size, dim=1)[par.tp_rank].contiguous()
+    return t
+
+
+def check_parallel(cfg: "ModelConfig", par: Parallel) -> str | None:
+    tp = par.tp_size
+    for what, n in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads),
+                    ("intermediate_size", cfg.intermediate_size)):
+        if n % tp:
+            return f"{what} = {n} is not divisible by tensor_parallel_size = {tp}"
+    if par.expert_parallel and (not cfg.is_moe or cfg.num_local_experts % tp):
+        return "expert parallelism needs a MoE checkpoint whose expert count divides by the parallel size"
+    return None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -113,11 +171,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, par: Parallel = SINGLE):
         super().__init__()
         hd = cfg.head_dim
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = cfg.num_key_value_heads
+        self.par = par
+        self.n_heads = cfg.num_attention_heads // par.tp_size
+        self.n_kv = cfg.num_key_value_heads // par.tp_size
         self.head_dim = hd
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * hd, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=False)
@@ -138,18 +197,20 @@ class Attention(nn.Module):
             q.transpose(0, 1), cache_k.transpose(0, 1), cache_v.transpose(0, 1),
             attn_mask=mask, enable_gqa=True,
         )
-        return self.o_proj(out.transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
+        return self.par.reduce(self.o_proj(out.transpose(0, 1).reshape(T, self.n_heads * self.head_dim)))
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, par: Parallel = SINGLE):
         super().__init__()
+        self.par = par
+        inter //= par.tp_size
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.par.reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class Expert(nn.Module):
@@ -169,11 +230,17 @@ class SparseMoE(nn.Module):
     """Top-k routed experts.  Dense evaluation (every expert on every token,
     weighted by a mask): static shapes, so decode stays graph-capturable."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, par: Parallel = SINGLE):
         super().__init__()
+        self.par = par
         self.top_k = cfg.num_experts_per_tok
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(cfg.hidden_size, cfg.intermediate_size) for _ in range(cfg.num_local_experts))
+        n = cfg.num_local_experts
+        # Expert parallel: this rank holds whole experts (others are None).
+        # Tensor parallel: every rank holds a slice of every expert.
+        inter = cfg.intermediate_size if par.expert_parallel else cfg.intermediate_size // par.tp_size
+        self.experts = nn.ModuleList(
+            Expert(cfg.hidden_size, inter) if par.owns_expert(e, n) else nn.Identity() for e in range(n))
 
     def forward(self, x):
         logits = self.gate(x).float()
@@ -182,20 +249,21 @@ class SparseMoE(nn.Module):
         dense = torch.zeros_like(logits).scatter(-1, chosen, weights).to(x.dtype)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
-            out = out + expert(x) * dense[:, e : e + 1]
-        return out
+            if isinstance(expert, Expert):
+                out = out + expert(x) * dense[:, e : e + 1]
+        return self.par.reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, par: Parallel = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, par)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_moe:
-            self.block_sparse_moe = SparseMoE(cfg)
+            self.block_sparse_moe = SparseMoE(cfg, par)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, par)
 
     def forward(self, x, cos, sin, positions, cache_k, cache_v, mask):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache_k, cache_v, mask)
@@ -204,20 +272,24 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, par: Parallel = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        # An explicit weight skips the random init (weights come from a checkpoint;
+        # on the meta device that init alone costs a second of imports).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, par) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     """Parameter names match the Hugging Face checkpoint names exactly."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, par: Parallel = SINGLE):
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg)
+        self.par = par
+        self.model = Backbone(cfg, par)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.cache_k: torch.Tensor | None = None
         self.cache_v: torch.Tensor | None = None
@@ -229,7 +301,7 @@ class LlamaForCausalLM(nn.Module):
         """Allocate the static KV cache; returns its size in bytes."""
         cfg = self.config
         ref = self.lm_head.weight
-        shape = (cfg.num_hidden_layers, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (cfg.num_hidden_layers, max_len, cfg.num_key_value_heads // self.par.tp_size, cfg.head_dim)
         self.cache_k = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
         self.cache_v = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
         self.max_len = max_len

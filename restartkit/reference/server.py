@@ -213,10 +213,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    return p.parse_args(argv)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-rank", type=int, default=0)
+    p.add_argument("--enable-expert-parallel", action="store_true")
+    p.add_argument("--quantization", default="none", choices=["none", "int8"])
+    p.add_argument("--revision", default="")
+    p.add_argument("--load-format", default="disk", choices=["disk", "ipc_cache"])
+    p.add_argument("--ipc-config", default="{}", help="JSON: mode, fallback, connect_timeout_s, state_timeout_s, socket_dir")
+    p.add_argument("--dist-port", type=int, default=0, help="rank 0's rendezvous port (tensor parallel)")
+    p.add_argument("--worker-rank", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    try:
+        args.ipc = json.loads(args.ipc_config)
+        if not isinstance(args.ipc, dict):
+            raise ValueError("not an object")
+    except ValueError as e:
+        p.error(f"--ipc-config is not a JSON object: {e}")
+    return args
 
 
 def serve(args: argparse.Namespace) -> int:
+    if args.worker_rank > 0:
+        return serve_worker(args)
     # Bind first: a port in use is reported before minutes of loading.
     state = State(args.served_model_name or os.path.basename(os.path.normpath(args.model)))
     try:
@@ -229,6 +248,7 @@ def serve(args: argparse.Namespace) -> int:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
     log(f"listening on http://{args.host}:{server.server_address[1]} (loading {args.model})")
+    workers = spawn_workers(args) if args.tensor_parallel_size > 1 else []
     outcome: dict = {}
     loader = threading.Thread(target=_load, args=(args, state, outcome), daemon=True)
     loader.start()
@@ -239,16 +259,110 @@ def serve(args: argparse.Namespace) -> int:
         if "error" in outcome:
             log(f"start failed: {outcome['error']}")
             server.shutdown()
+            _stop_workers(workers)
             return 1
+        dead = [w for w in workers if w.poll() is not None]
+        if dead:
+            log(f"tensor-parallel worker PID {dead[0].pid} exited with code {dead[0].returncode}; stopping")
+            server.shutdown()
+            _stop_workers(workers)
+            os._exit(1)  # rank 0 may be blocked in a collective with the dead rank
     log(f"received {signal.Signals(info.si_signo).name}; finishing in-flight requests")
     state.ready = False
     server.shutdown()
     if state.engine is not None:
         with state.engine.lock:  # wait for the request in flight
             pass
+        state.engine.shutdown_workers()
+    _stop_workers(workers)
     server.server_close()
     log("stopped")
     return 0
+
+
+def spawn_workers(args) -> list:
+    """Ranks 1..tp-1 as child processes that die with this one."""
+    import subprocess
+    if not args.dist_port:
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            args.dist_port = s.getsockname()[1]
+    base = [sys.executable, "-m", "restartkit.reference.server"] + _rebuild_argv(args)
+    procs = []
+    for rank in range(1, args.tensor_parallel_size):
+        procs.append(subprocess.Popen(base + ["--worker-rank", str(rank)], preexec_fn=_die_with_parent))
+    return procs
+
+
+def _rebuild_argv(args) -> list[str]:
+    out = ["--model", args.model, "--device", args.device, "--max-model-len", str(args.max_model_len),
+           "--tensor-parallel-size", str(args.tensor_parallel_size), "--quantization", args.quantization,
+           "--data-parallel-size", str(args.data_parallel_size), "--data-parallel-rank", str(args.data_parallel_rank),
+           "--load-format", args.load_format, "--ipc-config", json.dumps(args.ipc), "--dist-port", str(args.dist_port),
+           "--threads", str(args.threads), "--revision", args.revision]
+    if args.dtype:
+        out += ["--dtype", args.dtype]
+    if args.enable_expert_parallel:
+        out.append("--enable-expert-parallel")
+    if args.no_cuda_graph:
+        out.append("--no-cuda-graph")
+    return out
+
+
+def _die_with_parent() -> None:
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _stop_workers(workers) -> None:
+    for w in workers:
+        try:
+            w.wait(timeout=5)
+        except Exception:
+            w.kill()
+
+
+def serve_worker(args) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when workers stop
+    engine = _make_engine(args)
+    _start_engine(engine, args)
+    engine.worker_loop()
+    return 0
+
+
+def _make_engine(args):
+    from restartkit.reference.engine import Engine, EngineOptions
+
+    rank = args.worker_rank
+    opts = EngineOptions(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                         cuda_graph=not args.no_cuda_graph, tp_size=args.tensor_parallel_size, tp_rank=rank,
+                         expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
+                         dist_init=f"tcp://127.0.0.1:{args.dist_port}")
+    return Engine(opts)
+
+
+def _start_engine(engine, args) -> None:
+    """Start with weights from disk or from the weight cache."""
+    if args.load_format != "ipc_cache":
+        engine.start()
+        return
+    from restartkit.weightcache.daemon import device_uuid
+    from restartkit.weightcache.fingerprint import fingerprint
+    from restartkit.weightcache.loader import attach
+
+    o = engine.options
+
+    def weights():
+        dtype_name = str(engine.dtype).replace("torch.", "")
+        global_rank = args.data_parallel_rank * o.tp_size + o.tp_rank
+        uuid = device_uuid(str(engine.device) if engine.device.type == "cuda" else "cpu", global_rank)
+        fp = fingerprint(o.model, tp_size=o.tp_size, tp_rank=o.tp_rank, dp_size=args.data_parallel_size,
+                         dp_rank=args.data_parallel_rank, expert_parallel=o.expert_parallel, dtype=dtype_name,
+                         quantization=o.quantization, revision=args.revision)
+        attach(engine, args.ipc, uuid, fp)
+
+    engine.start(weights=weights)
 
 
 def _load(args, state: State, outcome: dict) -> None:
@@ -261,13 +375,9 @@ def _load(args, state: State, outcome: dict) -> None:
             torch.set_num_threads(args.threads)
         from tokenizers import Tokenizer
 
-        from restartkit.reference.engine import Engine, EngineOptions
-
-        opts = EngineOptions(model=args.model, device=args.device, dtype=args.dtype,
-                             max_model_len=args.max_model_len, cuda_graph=not args.no_cuda_graph)
-        engine = Engine(opts)
+        engine = _make_engine(args)
         state.tokenizer = Tokenizer.from_file(os.path.join(args.model, "tokenizer.json"))
-        engine.start()
+        _start_engine(engine, args)
     except Exception as e:
         outcome["error"] = f"{type(e).__name__}: {e}"
         return

@@ -1,0 +1,102 @@
+"""`restartkit preload`: policy + flags -> a layout -> the launcher
+(foreground, detached, or only waiting for one that runs)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from restartkit.errors import EXIT_NOT_SERVING, EXIT_SERVING, UsageError
+
+FLAG_TO_LAYOUT = {"model": "model", "tensor_parallel_size": "tp_size", "data_parallel_size": "dp_size",
+                  "data_parallel_start_rank": "dp_start_rank", "enable_expert_parallel": "expert_parallel",
+                  "device": "device", "dtype": "dtype", "quantization": "quantization", "nnodes": "nnodes",
+                  "node_rank": "node_rank", "master_addr": "master_addr",
+                  "weight_cache_master_port": "weight_cache_master_port", "draft_model": "draft_model",
+                  "socket_dir": "socket_dir"}
+
+
+def build(policy_path: str | None, flags: dict):
+    from restartkit.weightcache.client import layout_from_policy
+    from restartkit.weightcache.launcher import Layout
+    policy = None
+    if policy_path:
+        from restartkit.policy import load_policy
+        policy = load_policy(policy_path)
+        layout = layout_from_policy(policy)
+        i = policy.ipc
+        timeout, host, port = i["startup_timeout_s"], i["health_host"], i["health_port"]
+    else:
+        if not flags.get("model"):
+            raise UsageError("give --policy or --model")
+        layout, timeout, host, port = Layout(model=flags["model"]), 900.0, "127.0.0.1", 0
+    for flag, attr in FLAG_TO_LAYOUT.items():
+        if flags.get(flag) is not None:
+            setattr(layout, attr, flags[flag])
+    if not policy_path and flags.get("dtype") is None and layout.device == "cuda":
+        from restartkit.weightcache.client import _checkpoint_dtype
+        layout.dtype = _checkpoint_dtype(layout.model)
+    timeout = flags["startup_timeout"] or timeout
+    host = flags["health_host"] or host
+    port = flags["health_port"] if flags["health_port"] is not None else port
+    from restartkit.reference.layout import model_dir_ok
+    if problem := model_dir_ok(layout.model):
+        raise UsageError(problem)
+    layout.check()
+    return policy, layout, timeout, host, port
+
+
+def wait_until_ready(layout, timeout: float, say) -> int:
+    from restartkit.weightcache import protocol
+    from restartkit.weightcache.launcher import expected_uuids
+    sdir = protocol.socket_dir(layout.socket_dir)
+    paths = [sdir / protocol.socket_name(u) for u in expected_uuids(layout)]
+    deadline = time.monotonic() + timeout
+    states: dict = {}
+    while time.monotonic() < deadline:
+        for p in paths:
+            try:
+                reply, fds = protocol.request(p, {"op": "ping"}, timeout=5.0, connect_timeout=2.0)
+                protocol._close(fds)
+                states[p] = reply.get("state")
+            except (OSError, TimeoutError, protocol.ProtocolError):
+                states[p] = "absent"
+        if all(s == "ready" for s in states.values()):
+            say(f"weight cache ready: {len(paths)} rank(s)")
+            return EXIT_SERVING
+        time.sleep(0.2)
+    say("not ready within the timeout: " + ", ".join(f"{p.name}: {s}" for p, s in states.items()))
+    return EXIT_NOT_SERVING
+
+
+def preload_command(policy_path, flags: dict, detach: bool, wait_ready: bool, say) -> int:
+    from restartkit.weightcache.launcher import Launcher, run
+    policy, layout, timeout, host, port = build(policy_path, flags)
+    if wait_ready:
+        return wait_until_ready(layout, timeout, say)
+    if detach:
+        argv = [sys.executable, "-m", "restartkit.cli", "preload"] + _argv(policy_path, flags)
+        state = (policy.state_dir() if policy else None)
+        log_path = (state / "weightcache.log") if state else os.devnull
+        if state:
+            state.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+        rc = wait_until_ready(layout, timeout, say)
+        if proc.poll() is not None:
+            say(f"the launcher exited with code {proc.returncode}; log: {log_path}")
+            return proc.returncode or EXIT_NOT_SERVING
+        say(f"launcher PID {proc.pid}; log: {log_path}")
+        return rc
+    return run(Launcher(layout, timeout, host, port, say=say))
+
+
+def _argv(policy_path, flags) -> list[str]:
+    out = ["--policy", str(policy_path)] if policy_path else []
+    for k, v in flags.items():
+        if v is None or v is False:
+            continue
+        opt = "--" + k.replace("_", "-")
+        out += [opt] if v is True else [opt, str(v)]
+    return out

@@ -1,0 +1,135 @@
+"""The wire: length-prefixed JSON over a Unix socket; file descriptors travel
+with SCM_RIGHTS, CUDA IPC handles as base64 bytes.  No pickle anywhere.
+
+Frame: 4-byte big-endian length, then that many bytes of UTF-8 JSON.  Every
+read and write has a deadline.  The socket directory is private to the user
+(0700), each socket 0600, and the daemon checks the peer's uid (SO_PEERCRED).
+"""
+from __future__ import annotations
+
+import array
+import json
+import os
+import socket
+import struct
+import tempfile
+import time
+from pathlib import Path
+
+MAX_FRAME = 256 * 1024 * 1024
+MAX_FDS = 8
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(Exception):
+    pass
+
+
+def socket_dir(override: str = "") -> Path:
+    """A per-user private directory for the sockets (created 0700; refused if it is not ours or is open)."""
+    d = Path(override) if override else Path(tempfile.gettempdir()) / f"restartkit-wc-{os.getuid()}"
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = d.stat()
+    if st.st_uid != os.getuid():
+        raise ProtocolError(f"socket directory {d} belongs to uid {st.st_uid}, not to you ({os.getuid()}): pick another --socket-dir")
+    if st.st_mode & 0o077:
+        os.chmod(d, 0o700)
+    return d
+
+
+def socket_name(device_uuid: str, draft: bool = False) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in device_uuid)
+    return f"{safe}{'_draft' if draft else ''}.sock"
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", raw)
+
+
+def _deadline_left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the peer did not finish its message in time")
+    return left
+
+
+def send(sock: socket.socket, message: dict, fds: list[int] = (), timeout: float = 30.0) -> None:
+    data = json.dumps(message, separators=(",", ":")).encode()
+    if len(data) > MAX_FRAME:
+        raise ProtocolError(f"message of {len(data)} bytes is over the {MAX_FRAME}-byte limit")
+    frame = struct.pack("!I", len(data)) + data
+    deadline = time.monotonic() + timeout
+    sock.settimeout(_deadline_left(deadline))
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    sent = sock.sendmsg([frame], anc)  # the descriptors ride with the first bytes
+    view = memoryview(frame)[sent:]
+    while view:
+        sock.settimeout(_deadline_left(deadline))
+        n = sock.send(view)
+        view = view[n:]
+
+
+def recv(sock: socket.socket, timeout: float = 30.0) -> tuple[dict, list[int]]:
+    """One message and any descriptors that came with it.  The caller owns the fds."""
+    deadline = time.monotonic() + timeout
+    fds: list[int] = []
+    buf = bytearray()
+    fd_space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+    while len(buf) < 4:
+        sock.settimeout(_deadline_left(deadline))
+        data, anc, flags, _ = sock.recvmsg(65536, fd_space)
+        if not data:
+            raise ConnectionError("the peer closed the connection")
+        _collect_fds(anc, fds)
+        buf += data
+    (length,) = struct.unpack("!I", buf[:4])
+    if length > MAX_FRAME:
+        _close(fds)
+        raise ProtocolError(f"frame of {length} bytes is over the {MAX_FRAME}-byte limit")
+    while len(buf) < 4 + length:
+        sock.settimeout(_deadline_left(deadline))
+        chunk = sock.recv(min(1 << 20, 4 + length - len(buf)))
+        if not chunk:
+            _close(fds)
+            raise ConnectionError("the peer closed the connection mid-message")
+        buf += chunk
+    try:
+        msg = json.loads(bytes(buf[4 : 4 + length]))
+    except ValueError as e:
+        _close(fds)
+        raise ProtocolError(f"message is not JSON: {e}") from None
+    if not isinstance(msg, dict):
+        _close(fds)
+        raise ProtocolError("message is not a JSON object")
+    return msg, fds
+
+
+def _collect_fds(anc, out: list[int]) -> None:
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            a = array.array("i")
+            a.frombytes(data[: len(data) - (len(data) % a.itemsize)])
+            out.extend(a)
+
+
+def _close(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def request(path: str | Path, message: dict, timeout: float = 30.0, connect_timeout: float = 5.0) -> tuple[dict, list[int]]:
+    """Connect, send one request, read one answer.  Raises ConnectionError
+    (nothing listens), TimeoutError, ProtocolError."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(connect_timeout)
+        sock.connect(str(path))
+        send(sock, message, timeout=timeout)
+        return recv(sock, timeout=timeout)
+    finally:
+        sock.close()

@@ -1,0 +1,239 @@
+"""The ipc strategy for real on the CPU: daemons sharing memfd arenas over
+SCM_RIGHTS, the reference engine attaching at TP1 and TP2, fingerprints,
+fallbacks, cleanup and permissions."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from pathlib import Path
+
+from restartkit.reference.checkpoint import write_checkpoint
+from tests.conftest import ROOT, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def sockdir(tmp_path):
+    d = tmp_path / "sockets"
+    d.mkdir(mode=0o700)
+    return d
+
+
+@pytest.fixture
+def preloads():
+    """Launchers started by a test; all stopped at the end."""
+    procs = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def ipc_policy(make_policy, sockdir, fallback=True, name="svc", service_extra="", ipc_extra=""):
+    return make_policy(name=name, service_extra=service_extra, extra=(
+        f'\n[ipc]\nsocket_dir = "{sockdir}"\nfallback = {"true" if fallback else "false"}\n'
+        f'state_timeout_s = 3.0\nconnect_timeout_s = 2.0\n{ipc_extra}'))
+
+
+def start_preload(policy, preloads, *flags) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-m", "restartkit.cli", "preload", "--policy", str(policy), *flags],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    preloads.append(p)
+    r = run_cli("preload", "--policy", policy, *flags, "--wait-ready", "--startup-timeout", "60")
+    assert r.returncode == 0, r.stdout + r.stderr
+    return p
+
+
+def restart(policy, *args):
+    r = run_cli("restart", "--policy", policy, *args, "--json")
+    return r.returncode, json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_ipc_restart_is_a_hit_with_identical_canary(make_policy, sockdir, preloads, service_cleanup, tp):
+    policy = ipc_policy(make_policy, sockdir, service_extra=f"tensor_parallel_size = {tp}\n")
+    start_preload(policy, preloads)
+    service_cleanup(policy)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    plan = json.loads(run_cli("plan", "--policy", policy, "--json").stdout)
+    assert plan["attempt"] == "ipc", plan
+    code, rec = restart(policy, "--strategy", "auto", "--strict")
+    assert code == 0, rec
+    assert rec["served_by"] == "ipc" and not rec["via_recovery"]
+    proof = rec["attempts"][0]["proof"]
+    assert proof["ipc"] == "hit" and proof["ranks"] == ["hit"] * tp and proof["weight_source"] == "ipc"
+    assert rec["proof"]["canary_identical"] is True
+    prom = (policy.parent / "state" / "svc" / "metrics.prom").read_text()
+    assert 'restartkit_ipc_attach_total{service="svc",result="hit"} 1' in prom
+    status = json.loads(run_cli("weightcache", "status", "--policy", policy, "--json").stdout)
+    engine_pid = json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]
+    assert engine_pid in status["daemons"][0]["attached"]
+    # a zero_copy engine holds the weights: release is refused, then allowed with --force
+    r = run_cli("weightcache", "release", "--policy", policy)
+    assert r.returncode == 1 and "stop them first" in r.stdout
+
+
+def test_fingerprint_mismatch_falls_back_per_field(make_policy, sockdir, preloads, service_cleanup, tmp_path, tiny_model):
+    # the daemon holds the tiny model as float32, unquantized, no revision
+    daemon_policy = ipc_policy(make_policy, sockdir, name="daemon")
+    start_preload(daemon_policy, preloads)
+    finetune = write_checkpoint(tmp_path / "finetune", "tiny", seed=1)  # same layout, other weights
+    cases = {
+        "checkpoint": dict(model=str(finetune)),
+        "dtype": dict(service_extra='dtype = "bfloat16"\n'),
+        "quantization": dict(service_extra='quantization = "int8"\n'),
+        "revision": dict(service_extra='revision = "' + "ab" * 20 + '"\n'),
+    }
+    for field, kw in cases.items():
+        policy = make_policy(name=f"fb-{field}", model=kw.get("model"), service_extra=kw.get("service_extra", ""),
+                             extra=f'\n[ipc]\nsocket_dir = "{sockdir}"\nfallback = true\n')
+        service_cleanup(policy)
+        assert run_cli("start", "--policy", policy).returncode == 0
+        plan = json.loads(run_cli("plan", "--policy", policy, "--json").stdout)
+        ipc = next(s for s in plan["strategies"] if s["strategy"] == "ipc")
+        assert not ipc["eligible"] and any(f"{field} differs" in r for r in ipc["reasons"]), (field, ipc)
+        # forced anyway: the engine is started with ipc_cache and falls back, and says why
+        code, rec = restart(policy, "--strategy", "cold")  # keep a baseline from a clean restart
+        assert code == 0
+        from restartkit.policy import load_policy
+        from restartkit.service import Service
+        svc = Service(load_policy(policy))
+        svc.stop()
+        started = svc.start_engine("ipc", extra_args=svc.adapter.ipc_args(svc.policy))
+        load = started.stats["load"]
+        assert load["ipc"] == "fallback" and field in load["fallback_field"], (field, load)
+        assert load["source"] == "disk"
+        svc.stop()
+
+
+def test_fallback_off_fails_the_start_naming_the_field(make_policy, sockdir, preloads, service_cleanup):
+    daemon_policy = ipc_policy(make_policy, sockdir, name="daemon")
+    start_preload(daemon_policy, preloads)
+    policy = make_policy(name="strict", service_extra='quantization = "int8"\n',
+                         extra=f'\n[ipc]\nsocket_dir = "{sockdir}"\nfallback = false\nstate_timeout_s = 2.0\n')
+    service_cleanup(policy)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    code, rec = restart(policy, "--strategy", "ipc", "--strict")
+    # ipc is not eligible (quantization differs): straight to recovery, serving cold, exit 3 under --strict
+    assert code == 3 and rec["final_state"] == "serving" and rec["via_recovery"]
+    assert "quantization differs" in rec["recovery_reason"]
+    # and an engine started with fallback off against that daemon fails, naming the field
+    from restartkit.errors import EngineStartError
+    from restartkit.policy import load_policy
+    from restartkit.service import Service
+    svc = Service(load_policy(policy))
+    svc.stop()
+    with pytest.raises(EngineStartError) as e:
+        svc.start_engine("ipc", extra_args=svc.adapter.ipc_args(svc.policy))
+    assert "quantization differs" in e.value.log_tail and "fallback is off" in e.value.log_tail
+
+
+def test_absent_daemon_is_recorded_as_fallback(make_policy, sockdir, service_cleanup):
+    policy = ipc_policy(make_policy, sockdir)
+    service_cleanup(policy)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    plan = json.loads(run_cli("plan", "--policy", policy, "--json").stdout)
+    ipc = next(s for s in plan["strategies"] if s["strategy"] == "ipc")
+    assert any("restartkit preload" in r for r in ipc["reasons"])
+    code, rec = restart(policy, "--strategy", "ipc", "--strict")
+    assert code == 3 and rec["served_by"] == "cold" and rec["proof"]["canary_identical"] is True
+
+
+def test_sigterm_leaves_nothing_behind(make_policy, sockdir, preloads):
+    policy = ipc_policy(make_policy, sockdir, service_extra="tensor_parallel_size = 2\n")
+    launcher = start_preload(policy, preloads)
+    daemons = [p for p in _children(launcher.pid)]
+    assert len(daemons) == 2 and len(list(sockdir.iterdir())) == 4  # 2 sockets + 2 locks
+    memfds = [_memfds(pid) for pid in daemons]
+    assert all(memfds)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(20) == 0
+    assert list(sockdir.iterdir()) == []
+    for pid in daemons:
+        assert not os.path.exists(f"/proc/{pid}")  # the processes that held the arenas are gone
+
+
+def test_second_daemon_for_a_device_fails_at_once(make_policy, sockdir, preloads):
+    policy = ipc_policy(make_policy, sockdir)
+    start_preload(policy, preloads)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "restartkit.cli", "preload", "--policy", str(policy)],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 3 and "already serves this device" in r.stdout
+    assert time.monotonic() - t0 < 20
+
+
+def test_a_rank_that_fails_to_start_stops_the_launcher(make_policy, sockdir):
+    # 4 attention heads do not split over 3 ranks: every rank fails while loading
+    policy = ipc_policy(make_policy, sockdir, service_extra="tensor_parallel_size = 3\n")
+    r = subprocess.run([sys.executable, "-m", "restartkit.cli", "preload", "--policy", str(policy)],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 1 and "not divisible" in r.stdout and "stopping the others" in r.stdout
+    assert list(sockdir.iterdir()) == []
+
+
+def test_another_uid_cannot_attach(make_policy, preloads):
+    if os.getuid() != 0:
+        pytest.skip("needs root to act as another user")
+    import shutil
+    import tempfile
+    sockdir = Path(tempfile.mkdtemp(prefix="rk-uid-test-"))  # under /tmp: reachable by another user
+    try:
+        _another_uid(make_policy, sockdir, preloads)
+    finally:
+        for p in preloads:
+            p.send_signal(signal.SIGTERM)
+            p.wait(15)
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def _another_uid(make_policy, sockdir, preloads):
+    policy = ipc_policy(make_policy, sockdir)
+    start_preload(policy, preloads)
+    sock = next(p for p in sockdir.iterdir() if p.suffix == ".sock")
+    # open the directory and socket so only the daemon's own uid check stands in the way
+    os.chmod(sockdir, 0o755)
+    os.chmod(sock, 0o777)
+    code = ("import sys, os; from restartkit.weightcache import protocol; os.setgid(65534); os.setuid(65534);"
+            f"r, fds = protocol.request({str(sock)!r}, {{'op': 'attach'}}); print(r['error'], r['message'])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=30)
+    assert "permission" in r.stdout and "uid 65534 may not use" in r.stdout, r.stderr
+    # and with the default 0700 directory it cannot even reach the socket
+    os.chmod(sockdir, 0o700)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=30)
+    assert "PermissionError" in r.stderr
+
+
+def test_bad_loader_config_is_refused():
+    from restartkit.weightcache.loader import IPCConfig
+    with pytest.raises(ValueError, match="true or false"):
+        IPCConfig.parse({"fallback": "false"})
+    with pytest.raises(ValueError, match="unknown ipc_cache key"):
+        IPCConfig.parse({"fallbak": True})
+
+
+def test_multi_node_port_clash_is_a_usage_error(make_policy, sockdir):
+    policy = ipc_policy(make_policy, sockdir, ipc_extra="nnodes = 2\nweight_cache_master_port = 29500\nengine_master_port = 29500\n",
+                        service_extra="tensor_parallel_size = 2\n")
+    r = run_cli("preload", "--policy", policy)
+    assert r.returncode == 2 and "needs a port of its own" in r.stderr
+
+
+def _children(pid):
+    import psutil
+    return [c.pid for c in psutil.Process(pid).children() if "restartkit.weightcache.daemon" in " ".join(c.cmdline())]
+
+
+def _memfds(pid):
+    fd_dir = f"/proc/{pid}/fd"
+    return [os.readlink(os.path.join(fd_dir, f)) for f in os.listdir(fd_dir)
+            if "memfd:restartkit-arena" in os.readlink(os.path.join(fd_dir, f))]
