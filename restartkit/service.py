@@ -142,7 +142,7 @@ class Service:
                                    hint=f"stop that process, or set another [service] port in {self.policy.path}")
         self.ensure_state_dir()
         spec = self.adapter.launch(self.policy, list(extra_args))
-        env = {**os.environ, **spec.env, **(extra_env or {})}
+        env = {**os.environ, **spec.env, **(extra_env or {}), "RESTARTKIT_SPAWN_TIME": repr(time.time())}
         with open(self.log_path, "ab") as log:
             log.write(f"\n==== {time.strftime('%Y-%m-%dT%H:%M:%S')} restartkit start ({strategy}): {' '.join(spec.argv)}\n".encode())
             log.flush()

@@ -60,7 +60,7 @@ class Engine:
     # ---- start-up ----------------------------------------------------------
     @property
     def device(self) -> torch.device:
-        if self.options.device == "cuda" and self.options.tp_size > 1:
+        if self.options.device == "cuda":  # always indexed: rank r runs on GPU r
             return torch.device("cuda", self.options.tp_rank)
         return torch.device(self.options.device)
 

@@ -389,7 +389,15 @@ def _load(args, state: State, outcome: dict) -> None:
 
 
 def _since_exec() -> float:
-    """Seconds from exec until now (interpreter start-up and our imports)."""
+    """Seconds from spawn until now (interpreter start-up and our imports).
+    restartkit passes the spawn time; psutil's create_time is only as precise
+    as the boot time it is computed from (whole seconds on some kernels)."""
+    spawned = os.environ.get("RESTARTKIT_SPAWN_TIME")
+    if spawned:
+        try:
+            return max(0.0, time.time() - float(spawned))
+        except ValueError:
+            pass
     try:
         import psutil
         return max(0.0, time.time() - psutil.Process().create_time())

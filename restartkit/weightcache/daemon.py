@@ -61,7 +61,7 @@ class Daemon:
         self.stop_event = threading.Event()
 
     # ---- requests ---------------------------------------------------------------
-    def handle(self, msg: dict, peer_pid: int) -> tuple[dict, list[int]]:
+    def handle(self, msg: dict, peer_pid: int) -> tuple[dict | bytes, list[int]]:
         op = msg.get("op")
         if op == "ping":
             return {"ok": True, "state": self.state}, []
@@ -102,7 +102,7 @@ class Daemon:
             self.attached[peer_pid] = mode
             handle = self.arena.handle()
             fds = [self.arena.memfd] if self.arena.memfd is not None else []
-        return {"ok": True, "handle": handle, "manifest": self.arena.manifest, "mode": mode}, fds
+        return protocol.encode({"ok": True, "handle": handle, "mode": mode}, {"manifest": self.wire_manifest}), fds
 
     def zero_copy_users(self) -> list[int]:
         with self.lock:
@@ -130,7 +130,7 @@ class Daemon:
         from restartkit.reference.checkpoint import DTYPES
         from restartkit.reference.model import ModelConfig, Parallel, check_parallel
         from restartkit.reference.weights import processed_weights
-        from restartkit.weightcache.arena import pack
+        from restartkit.weightcache.arena import pack, to_wire
         from restartkit.weightcache.fingerprint import fingerprint
 
         a = self.args
@@ -152,7 +152,8 @@ class Daemon:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         with self.lock:
-            self.arena, self.fingerprint = arena, fp
+            wire = json.dumps(to_wire(arena.manifest), separators=(",", ":")).encode()
+            self.arena, self.fingerprint, self.wire_manifest = arena, fp, wire
             self.load_s = round(time.perf_counter() - t0, 3)
             self.state = "ready"
 

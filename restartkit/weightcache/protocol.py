@@ -55,8 +55,17 @@ def _deadline_left(deadline: float) -> float:
     return left
 
 
-def send(sock: socket.socket, message: dict, fds: list[int] = (), timeout: float = 30.0) -> None:
+def encode(message: dict, raw: dict[str, bytes] | None = None) -> bytes:
+    """JSON bytes of `message`, plus members whose values are already JSON
+    bytes (a large manifest is encoded once, not on every attach)."""
     data = json.dumps(message, separators=(",", ":")).encode()
+    for key, value in (raw or {}).items():
+        data = data[:-1] + (b"," if len(data) > 2 else b"") + json.dumps(key).encode() + b":" + value + b"}"
+    return data
+
+
+def send(sock: socket.socket, message: dict | bytes, fds: list[int] = (), timeout: float = 30.0) -> None:
+    data = message if isinstance(message, bytes) else encode(message)
     if len(data) > MAX_FRAME:
         raise ProtocolError(f"message of {len(data)} bytes is over the {MAX_FRAME}-byte limit")
     frame = struct.pack("!I", len(data)) + data
