@@ -237,3 +237,53 @@ def _memfds(pid):
     fd_dir = f"/proc/{pid}/fd"
     return [os.readlink(os.path.join(fd_dir, f)) for f in os.listdir(fd_dir)
             if "memfd:restartkit-arena" in os.readlink(os.path.join(fd_dir, f))]
+
+
+def test_expert_parallel_moe_restart_is_a_hit(make_policy, sockdir, preloads, service_cleanup, tmp_path):
+    moe = write_checkpoint(tmp_path / "moe", "tiny-moe")
+    policy = make_policy(model=str(moe), service_extra="tensor_parallel_size = 2\nexpert_parallel = true\n",
+                         extra=f'\n[ipc]\nsocket_dir = "{sockdir}"\n')
+    start_preload(policy, preloads)
+    wc = json.loads(run_cli("weightcache", "status", "--policy", policy, "--json").stdout)["daemons"]
+    # each rank holds 2 of the 4 experts, whole: fewer tensors than the full model
+    assert all(d["fingerprint"]["expert_parallel"] for d in wc)
+    service_cleanup(policy)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    code, rec = restart(policy, "--strategy", "ipc", "--strict")
+    assert code == 0 and rec["attempts"][0]["proof"]["ranks"] == ["hit", "hit"]
+    assert rec["proof"]["canary_identical"] is True
+
+
+def test_copy_mode_detaches_after_copying(make_policy, sockdir, preloads, service_cleanup):
+    policy = ipc_policy(make_policy, sockdir, ipc_extra='mode = "copy"\n')
+    start_preload(policy, preloads)
+    service_cleanup(policy)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    code, rec = restart(policy, "--strategy", "ipc", "--strict")
+    assert code == 0 and rec["attempts"][0]["proof"]["mode"] == "copy"
+    wc = json.loads(run_cli("weightcache", "status", "--policy", policy, "--json").stdout)["daemons"]
+    assert wc[0]["attached"] == []  # a copy holds nothing of the daemon's: release is allowed
+    assert run_cli("weightcache", "release", "--policy", policy).returncode == 0
+
+
+def test_health_reports_ready_then_degraded(make_policy, sockdir, preloads, tmp_path):
+    import urllib.error
+    import urllib.request
+    from tests.conftest import free_port
+    port = free_port()
+    policy = ipc_policy(make_policy, sockdir, service_extra="tensor_parallel_size = 2\n", ipc_extra=f"health_port = {port}\n")
+    launcher = start_preload(policy, preloads)
+    health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).read())
+    assert health["state"] == "ready" and [r["state"] for r in health["ranks"]] == ["ready", "ready"]
+    os.kill(_children(launcher.pid)[1], signal.SIGKILL)
+    time.sleep(1.0)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+    assert e.value.code == 503 and json.loads(e.value.read())["state"] == "degraded"
+
+
+def test_draft_model_gets_its_own_sockets(make_policy, sockdir, preloads, tiny_model):
+    policy = ipc_policy(make_policy, sockdir, ipc_extra=f'draft_model = "{tiny_model}"\n')
+    start_preload(policy, preloads)
+    names = sorted(p.name for p in sockdir.iterdir() if p.suffix == ".sock")
+    assert len(names) == 2 and names[1].endswith("_draft.sock")

@@ -51,7 +51,10 @@ def wait_until_ready(layout, timeout: float, say) -> int:
     from restartkit.weightcache import protocol
     from restartkit.weightcache.launcher import expected_uuids
     sdir = protocol.socket_dir(layout.socket_dir)
-    paths = [sdir / protocol.socket_name(u) for u in expected_uuids(layout)]
+    uuids = expected_uuids(layout)
+    paths = [sdir / protocol.socket_name(u) for u in uuids]
+    if layout.draft_model:
+        paths += [sdir / protocol.socket_name(u, draft=True) for u in uuids]
     deadline = time.monotonic() + timeout
     states: dict = {}
     while time.monotonic() < deadline:
