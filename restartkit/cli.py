@@ -287,6 +287,131 @@ def weightcache_release(policy_path, force, stop_daemons, as_json):
     sys.exit(EXIT_SERVING if all(r.get("ok") for r in replies) else EXIT_NOT_SERVING)
 
 
+# ---- snapshots -----------------------------------------------------------------------
+
+@main.group()
+def snapshot():
+    """CRIU snapshots of a running engine (the criu strategy)."""
+
+
+def _snapshot_context(policy_path):
+    from restartkit.restart import gather_facts
+    svc = load(policy_path)
+    return svc, gather_facts(svc, "restart")
+
+
+def _require_snapshot_prereqs(svc, facts):
+    from restartkit.errors import StrategyError
+    from restartkit.strategies.criu_checks import SNAPSHOT_PREREQUISITES
+    reasons = [r for r in (p(facts, svc.policy) for p in SNAPSHOT_PREREQUISITES) if r]
+    if reasons:
+        raise StrategyError("a snapshot cannot be taken here: " + "; ".join(reasons))
+
+
+@snapshot.command("create")
+@policy_option
+@click.option("--stop", "stop_engine", is_flag=True, help="Let the engine die with the dump (default: it keeps running).")
+@json_option
+@state_dir_option
+@friendly
+def snapshot_create(policy_path, stop_engine, as_json):
+    """Snapshot the running engine (KV cache dropped first, put back after)."""
+    from restartkit.snapshot.ops import create
+    svc, facts = _snapshot_context(policy_path)
+    _require_snapshot_prereqs(svc, facts)
+    snap = create(svc, facts, leave_running=not stop_engine, progress=say)
+    emit({"id": snap.id, "path": str(snap.path), **snap.manifest}, as_json,
+         f"snapshot {snap.id} ({snap.manifest['image_bytes'] / 1e6:.1f} MB) is current; engine "
+         + ("stopped" if stop_engine else "still serving"))
+
+
+@snapshot.command("restore")
+@policy_option
+@json_option
+@state_dir_option
+@friendly
+def snapshot_restore(policy_path, as_json):
+    """Restore the current snapshot as the engine: the criu strategy, with its recovery path."""
+    from restartkit.restart import restart as do_restart
+    rec = do_restart(load(policy_path), "criu", "restart", strict=False, say=say)
+    emit(rec.to_dict(), as_json, render_record(rec.to_dict()))
+    sys.exit(rec.exit_code)
+
+
+@snapshot.command("list")
+@policy_option
+@json_option
+@state_dir_option
+@friendly
+def snapshot_list(policy_path, as_json):
+    """Snapshots on disk, newest last; * marks current."""
+    from restartkit.snapshot.ops import store_for
+    store = store_for(load(policy_path))
+    cur = store.current()
+    snaps = store.list()
+    rows = [{"id": s.id, "current": cur is not None and s.id == cur.id, "age_h": round(s.age_s / 3600, 2),
+             "image_bytes": s.manifest.get("image_bytes"), "suspect": s.suspect} for s in snaps]
+    text = "\n".join(f"{'*' if r['current'] else ' '} {r['id']}  {r['age_h']:>6.1f} h  {(r['image_bytes'] or 0) / 1e6:>8.1f} MB"
+                     + (f"  SUSPECT: {r['suspect']['reason']}" if r["suspect"] else "") for r in rows) or "no snapshots"
+    emit({"snapshots": rows, "dir": str(store.root)}, as_json, text)
+
+
+@snapshot.command("inspect")
+@policy_option
+@click.argument("snapshot_id", required=False)
+@json_option
+@state_dir_option
+@friendly
+def snapshot_inspect(policy_path, snapshot_id, as_json):
+    """A snapshot's manifest, and how its identity compares with this host."""
+    from restartkit.errors import UsageError
+    from restartkit.snapshot.ops import identity, mismatches, store_for
+    svc, facts = _snapshot_context(policy_path)
+    store = store_for(svc)
+    snap = store.get(snapshot_id) if snapshot_id else store.current()
+    if snap is None:
+        raise UsageError(f"no snapshot {snapshot_id or '(current)'} in {store.root}", hint="restartkit snapshot list")
+    miss = mismatches(snap.manifest["identity"], identity(svc, facts))
+    data = {"id": snap.id, "path": str(snap.path), "mismatches": miss, **snap.manifest}
+    emit(data, as_json, f"{snap.id}: {snap.manifest['image_bytes'] / 1e6:.1f} MB, {snap.age_s / 3600:.1f} h old, "
+         + ("matches this host" if not miss else "does NOT match: " + "; ".join(miss))
+         + (f"; SUSPECT: {snap.suspect['reason']}" if snap.suspect else ""))
+
+
+@snapshot.command("prune")
+@policy_option
+@click.option("--keep", type=int, default=None, help="Default: [criu] keep.")
+@state_dir_option
+@friendly
+def snapshot_prune(policy_path, keep):
+    """Remove all but the newest N snapshots (never the current one)."""
+    from restartkit.snapshot.ops import store_for
+    svc = load(policy_path)
+    removed = store_for(svc).prune(keep or svc.policy.criu["keep"])
+    click.echo(f"removed {len(removed)}: {', '.join(removed)}" if removed else "nothing to remove")
+
+
+@snapshot.command("refresh")
+@policy_option
+@click.option("--force", is_flag=True, help="Take a new snapshot even if the current one is fresh.")
+@click.option("--install-timer", is_flag=True, help="Write a systemd .service/.timer pair and print the crontab line.")
+@click.option("--unit-dir", default="/etc/systemd/system", show_default=True)
+@state_dir_option
+@friendly
+def snapshot_refresh(policy_path, force, install_timer, unit_dir):
+    """For cron or a systemd timer: a new snapshot when the current one is stale. Exit 75 when another refresh runs."""
+    from restartkit.snapshot.refresh import install_timer as install, refresh
+    if install_timer:
+        svc = load(policy_path)
+        files, cron = install(svc, svc.policy.criu["refresh"], unit_dir)
+        click.echo("wrote " + ", ".join(map(str, files)))
+        click.echo(f"enable it: systemctl daemon-reload && systemctl enable --now {files[1].name}")
+        click.echo(f"or, with cron (/etc/cron.d/restartkit): {cron}")
+        return
+    svc, facts = _snapshot_context(policy_path)
+    sys.exit(refresh(svc, facts, force=force, say=click.echo))
+
+
 # ---- models and the reference engine -------------------------------------------------
 
 @main.group()

@@ -105,6 +105,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "criu_path": Key(str, ""),
         "test_restore": Key(bool, False),
         "pid_wait_s": Key((int, float), 10.0, check=_positive),
+        "restore_timeout_s": Key((int, float), 600.0, check=_positive),
     },
     "sleep": {
         "level": Key(int, 1, (1, 2)),

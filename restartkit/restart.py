@@ -18,7 +18,32 @@ REASONS = ("restart", "crash", "config", "code", "weights")
 
 def gather_facts(service: Service, reason: str, run_criu_check: bool = True) -> Facts:
     host = host_facts.gather(service.state_dir, service.policy.criu["criu_path"], run_criu_check=run_criu_check)
-    return Facts(host=host, service=service.service_facts(), reason=reason)
+    facts = Facts(host=host, service=service.service_facts(), reason=reason)
+    facts.service.extra["criu"] = snapshot_facts(service, facts)
+    return facts
+
+
+def snapshot_facts(service: Service, facts: Facts) -> dict:
+    """The current snapshot and whether it fits this host; what the live engine holds."""
+    if service.adapter is None or facts.service.model_problem:
+        return {}
+    try:
+        from restartkit.snapshot.cudackpt import fd_targets
+        from restartkit.snapshot.ops import identity, mismatches, store_for, tree_pids
+        out: dict = {}
+        if facts.service.pid:
+            pids = tree_pids(facts.service.pid)
+            fds = {p: fd_targets(p) for p in pids}
+            out["io_uring_pids"] = [p for p, t in fds.items() if any("io_uring" in x for x in t)]
+            out["ipc_attached"] = any("memfd:restartkit-arena" in x for t in fds.values() for x in t)
+        snap = store_for(service).current()
+        if snap is not None:
+            out.update(current=snap.id, suspect=snap.suspect, age_s=round(snap.age_s),
+                       image_bytes=snap.manifest.get("image_bytes"),
+                       mismatches=mismatches(snap.manifest["identity"], identity(service, facts)))
+        return out
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def plan_for(service: Service, requested: str, reason: str) -> tuple[Plan, Facts]:

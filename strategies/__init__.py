@@ -9,15 +9,15 @@ DEFAULT_ORDER = ("sleep", "ipc", "criu", "cold")
 
 
 def _registry() -> dict[str, BaseStrategy]:
-    from restartkit.strategies import criu_checks
     from restartkit.strategies.cold import ColdStrategy
+    from restartkit.strategies.criu import CriuStrategy
     from restartkit.strategies.ipc import IPCStrategy
     from restartkit.strategies.unbuilt import UnbuiltStrategy
 
     return {
         "sleep": UnbuiltStrategy("sleep"),
         "ipc": IPCStrategy(),
-        "criu": UnbuiltStrategy("criu", criu_checks.PREREQUISITES),
+        "criu": CriuStrategy(),
         "cold": ColdStrategy(),
     }
 

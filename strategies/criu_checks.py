@@ -40,12 +40,56 @@ def criu_usable(facts: Facts, policy) -> str | None:
     return None
 
 
+IO_URING_ENGINES = ("vllm", "sglang")  # engines known to open an io_uring when the kernel allows it
+
+
 def io_uring_off(facts: Facts, policy) -> str | None:
+    held = (facts.service.extra.get("criu") or {}).get("io_uring_pids")
+    if held:
+        return (f"the engine's process tree holds an io_uring (PID {held[0]}), which CRIU cannot dump; "
+                "set `sysctl -w kernel.io_uring_disabled=2` and restart the engine cold before snapshotting")
     v = facts.host.io_uring_disabled
-    if v is None or v == 2:
+    if v in (None, 2) or policy.service["engine"] not in IO_URING_ENGINES:
         return None
-    return (f"kernel.io_uring_disabled is {v}: an engine that opened an io_uring cannot be dumped; "
+    return (f"kernel.io_uring_disabled is {v} and {policy.service['engine']} opens an io_uring when it can: "
             "run `sysctl -w kernel.io_uring_disabled=2` before the engine starts")
+
+
+def not_ipc_attached(facts: Facts, policy) -> str | None:
+    if (facts.service.extra.get("criu") or {}).get("ipc_attached"):
+        return "the engine maps its weights from a weight-cache daemon; CRIU (and the driver) cannot checkpoint shared memory"
+    return None
+
+
+def disk_room(facts: Facts, policy) -> str | None:
+    need = (facts.service.extra.get("criu") or {}).get("estimated_image_bytes") or 0
+    if need and facts.host.state_dir_free_bytes < need:
+        return f"{need / 1e9:.1f} GB are needed for the image and {facts.host.state_dir_free_bytes / 1e9:.1f} GB are free"
+    return None
+
+
+def gpu_checkpoint_api(facts: Facts, policy) -> str | None:
+    if policy.service["device"] != "cuda":
+        return None
+    if len(facts.host.gpus) == 0:
+        return f"no GPU found through NVML ({facts.host.nvml_error})"
+    major = int((facts.host.driver_version or "0").split(".")[0])
+    if major < 550:
+        return f"driver {facts.host.driver_version} has no CUDA checkpoint API: R550 or newer is needed"
+    return None
+
+
+def snapshot_ready(facts: Facts, policy) -> str | None:
+    c = facts.service.extra.get("criu") or {}
+    if c.get("error"):
+        return f"could not read the snapshot store: {c['error']}"
+    if not c.get("current"):
+        return f"no snapshot yet: take one with `restartkit snapshot create --policy {policy.path}`"
+    if c.get("suspect"):
+        return f"snapshot {c['current']} is marked suspect ({c['suspect']['reason']}); refresh it: restartkit snapshot refresh"
+    if c.get("mismatches"):
+        return f"snapshot {c['current']} was taken for another host or engine: " + "; ".join(c["mismatches"])
+    return None
 
 
 def revision_pinned(facts: Facts, policy) -> str | None:
@@ -55,4 +99,6 @@ def revision_pinned(facts: Facts, policy) -> str | None:
     return "a snapshot is tied to exact weights: pin service.revision to a 40-character commit id"
 
 
-PREREQUISITES = [linux_x86_64, root_or_sudo, single_device, criu_usable, io_uring_off, revision_pinned]
+SNAPSHOT_PREREQUISITES = [linux_x86_64, root_or_sudo, single_device, criu_usable, io_uring_off, revision_pinned,
+                          not_ipc_attached, gpu_checkpoint_api, disk_room]
+PREREQUISITES = SNAPSHOT_PREREQUISITES + [snapshot_ready]

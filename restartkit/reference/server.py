@@ -24,6 +24,8 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
+from restartkit.signals import block_stop_signals, next_stop_signal
+
 PROCESS_T0 = time.time()
 MAX_BODY = 1 << 20
 
@@ -120,6 +122,7 @@ class Handler(BaseHTTPRequestHandler):
                 self._admin_drop_kv()
             elif path == "/admin/restore_kv_cache":
                 self.server.state.engine.restore_kv_cache()
+                self.server.state.ready = True
                 self._send(200, {"kv_cache_bytes": self.server.state.engine.model.kv_cache_bytes})
             else:
                 self._error(404, f"no route {path}")
@@ -245,7 +248,7 @@ def serve(args: argparse.Namespace) -> int:
         return 98 if e.errno == 98 else 1
     # Signals are blocked in every thread and taken by the main thread alone,
     # with sigtimedwait: handlers do nothing, the loop below acts.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    block_stop_signals()
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
     log(f"listening on http://{args.host}:{server.server_address[1]} (loading {args.model})")
     workers = spawn_workers(args) if args.tensor_parallel_size > 1 else []
@@ -253,8 +256,8 @@ def serve(args: argparse.Namespace) -> int:
     loader = threading.Thread(target=_load, args=(args, state, outcome), daemon=True)
     loader.start()
     while True:
-        info = signal.sigtimedwait({signal.SIGTERM, signal.SIGINT}, 0.2)
-        if info is not None:
+        signo = next_stop_signal(0.2)
+        if signo is not None:
             break
         if "error" in outcome:
             log(f"start failed: {outcome['error']}")
@@ -267,7 +270,7 @@ def serve(args: argparse.Namespace) -> int:
             server.shutdown()
             _stop_workers(workers)
             os._exit(1)  # rank 0 may be blocked in a collective with the dead rank
-    log(f"received {signal.Signals(info.si_signo).name}; finishing in-flight requests")
+    log(f"received {signal.Signals(signo).name}; finishing in-flight requests")
     state.ready = False
     server.shutdown()
     if state.engine is not None:

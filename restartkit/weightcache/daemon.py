@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+from restartkit.signals import block_stop_signals, next_stop_signal
 from restartkit.weightcache import protocol
 from restartkit.weightcache.fingerprint import describe, differences
 
@@ -255,7 +256,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     set_parent_death_signal()
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    block_stop_signals()
     d = Daemon(args)
     sdir = protocol.socket_dir(args.socket_dir)
     name = protocol.socket_name(args.device_uuid, args.draft)
@@ -282,8 +283,7 @@ def main(argv=None) -> int:
     threading.Thread(target=load, daemon=True).start()
     code = 0
     while True:
-        info = signal.sigtimedwait({signal.SIGTERM, signal.SIGINT}, 0.2)
-        if info is not None:
+        if next_stop_signal(0.2) is not None:
             break
         if "error" in outcome:
             emit("error", message=outcome["error"])

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from restartkit.errors import UsageError
+from restartkit.signals import block_stop_signals, next_stop_signal
 
 
 @dataclass
@@ -214,7 +215,7 @@ class Launcher:
 
 def run(launcher: Launcher) -> int:
     """Foreground: start, report, serve until SIGTERM/SIGINT."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    block_stop_signals()
     launcher.spawn()
     health = launcher.serve_health()
     rc = launcher.wait_started()
@@ -223,7 +224,7 @@ def run(launcher: Launcher) -> int:
     launcher.say(f"weight cache ready: {len(launcher.ranks)} rank(s) on this node")
     stop = threading.Event()
     threading.Thread(target=launcher.monitor, args=(stop,), daemon=True).start()
-    while signal.sigtimedwait({signal.SIGTERM, signal.SIGINT}, 0.5) is None:
+    while next_stop_signal(0.5) is None:
         if launcher.ranks and all(r.proc.poll() is not None for r in launcher.ranks):
             launcher.say("every rank has exited; the launcher stops")
             break

@@ -1,0 +1,21 @@
+"""Signals only enqueue: long-running processes block SIGTERM/SIGINT in every
+thread and take them in their main loop with `next_stop_signal`."""
+from __future__ import annotations
+
+import signal
+
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+def block_stop_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def next_stop_signal(timeout_s: float) -> int | None:
+    """The stop signal that arrived within `timeout_s`, else None.  A process
+    restored by CRIU can see its interrupted wait return with a garbage
+    siginfo: anything but a stop signal counts as nothing."""
+    info = signal.sigtimedwait(STOP_SIGNALS, timeout_s)
+    if info is None or info.si_signo not in STOP_SIGNALS:
+        return None
+    return info.si_signo

@@ -1,0 +1,1 @@
+"""CRIU snapshots of a whole initialized engine: driver, CUDA checkpoint API, image store."""

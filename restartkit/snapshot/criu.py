@@ -1,0 +1,120 @@
+"""Driving CRIU: pycriu's RPC (criu swrk) when pycriu imports, else the CLI.
+
+Options a server needs: its listening TCP sockets (dumped by default),
+established connections, external unix sockets, file locks, link remap;
+shell-job only when the engine shares our session (restartkit starts
+engines in their own session, so it is normally off).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from restartkit.errors import StrategyError
+
+PYCRIU_DIRS = ["/opt/restartkit/criu/python"]
+
+
+class CriuError(StrategyError):
+    def __init__(self, message: str, log_tail: str = ""):
+        super().__init__(message, hint="the CRIU log tail is in the record" if log_tail else None)
+        self.log_tail = log_tail
+
+
+def log_tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _pycriu():
+    for d in PYCRIU_DIRS + [str(Path(os.environ.get("RESTARTKIT_CRIU", "/x")).parent.parent / "python")]:
+        if os.path.isdir(d) and d not in sys.path:
+            sys.path.append(d)
+    try:
+        import pycriu  # noqa: F401
+        return pycriu
+    except Exception:  # missing, or a protobuf it cannot work with
+        return None
+
+
+class Criu:
+    def __init__(self, binary: str, shell_job: bool = False, use_rpc: bool = True):
+        self.binary, self.shell_job = binary, shell_job
+        self.pycriu = _pycriu() if use_rpc else None
+
+    @property
+    def via(self) -> str:
+        return "pycriu RPC" if self.pycriu else "CLI"
+
+    def dump(self, pid: int, images: Path, leave_running: bool) -> None:
+        log = images / "dump.log"
+        if self.pycriu:
+            return self._rpc("dump", images, log, pid=pid, leave_running=leave_running)
+        args = ["dump", "--tree", str(pid)] + (["--leave-running"] if leave_running else [])
+        self._cli(args, images, log)
+
+    def restore(self, images: Path, timeout_s: float, pids: list[int]) -> int:
+        """Always through the CLI, under a deadline: a damaged image can make
+        CRIU's restorer spin forever (seen with 4.2.1 on truncated pages).
+        On timeout, CRIU and whatever it half-restored under `pids` are killed."""
+        log = images / "restore.log"
+        pidfile = images / "restored.pid"
+        pidfile.unlink(missing_ok=True)
+        self._cli(["restore", "--restore-detached", "--pidfile", str(pidfile)], images, log, timeout_s, pids)
+        return int(pidfile.read_text().strip())
+
+    def _common(self) -> list[str]:
+        flags = ["--tcp-established", "--ext-unix-sk", "--file-locks", "--link-remap", "-v4"]
+        return flags + (["--shell-job"] if self.shell_job else [])
+
+    def _cli(self, args: list[str], images: Path, log: Path, timeout_s: float = 3600, pids: list[int] = ()) -> None:
+        cmd = [self.binary, *args, "-D", str(images), "-o", log.name, *self._common()]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        except OSError as e:
+            raise CriuError(f"could not run {self.binary}: {e}") from None
+        except subprocess.TimeoutExpired:
+            _kill(pids)
+            raise CriuError(f"criu {args[0]} did not finish within {timeout_s:.0f} s; it and the half-restored "
+                            "processes were killed", log_tail(log)) from None
+        if r.returncode != 0:
+            raise CriuError(f"criu {args[0]} failed (exit {r.returncode})", log_tail(log) or r.stderr[-2000:])
+
+    def _rpc(self, op: str, images: Path, log: Path, pid: int | None = None, leave_running: bool = False) -> int | None:
+        pycriu = self.pycriu
+        c = pycriu.criu()
+        c.use_binary(self.binary)
+        fd = os.open(images, os.O_DIRECTORY)
+        try:
+            c.opts.images_dir_fd = fd
+            c.opts.log_file = log.name
+            c.opts.log_level = 4
+            c.opts.tcp_established = True
+            c.opts.ext_unix_sk = True
+            c.opts.file_locks = True
+            c.opts.link_remap = True
+            c.opts.shell_job = self.shell_job
+            if op == "dump":
+                c.opts.pid = pid
+                c.opts.leave_running = leave_running
+                c.dump()
+                return None
+            resp = c.restore()
+            return int(resp.pid)
+        except pycriu.CRIUException as e:
+            raise CriuError(f"criu {op} (RPC) failed: {e}", log_tail(log)) from None
+        finally:
+            os.close(fd)
+
+
+def _kill(pids) -> None:
+    import signal
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -1,0 +1,260 @@
+"""Create and restore snapshots of a service's engine.
+
+create: canary -> drop the KV cache -> (GPU: lock + checkpoint through the
+driver) -> CRIU dump -> either leave the engine running (driver restore +
+unlock, KV cache back: a refresh of a live service) or let it die (a
+restart).  Whatever fails, the engine is put back and `current` is untouched.
+
+restore: identity check -> the image's PIDs free (with a deadline) -> CRIU
+restore -> (GPU: driver restore + unlock) -> KV cache back -> a real
+completion.  The caller verifies the canary and runs recovery on failure.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import signal
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Callable
+
+from restartkit import __version__, http
+from restartkit.errors import StrategyError
+from restartkit.snapshot.criu import Criu, CriuError
+from restartkit.snapshot.cudackpt import CudaCheckpoint, fd_targets, uses_cuda
+from restartkit.snapshot.store import Snapshot, SnapshotStore, dir_bytes
+from restartkit.supervise import EngineProcess
+
+ENV_PREFIXES = ("CUDA_", "NCCL_", "TORCH_", "PYTORCH_", "VLLM_", "SGLANG_", "OMP_", "MKL_")
+
+
+def store_for(service) -> SnapshotStore:
+    d = service.policy.criu["images_dir"]
+    return SnapshotStore(Path(os.path.expanduser(d)) if d else service.state_dir / "snapshots")
+
+
+def env_hash(env: dict) -> str:
+    relevant = sorted((k, v) for k, v in env.items() if k.startswith(ENV_PREFIXES))
+    return hashlib.sha256(repr(relevant).encode()).hexdigest()[:16]
+
+
+def identity(service, facts) -> dict:
+    """What must be the same on the host for a snapshot to be restorable."""
+    from restartkit.weightcache.fingerprint import checkpoint_digest
+    s = service.policy.service
+    spec = service.adapter.launch(service.policy)
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = None
+    gpu = facts.host.gpus[0] if facts.host.gpus and s["device"] == "cuda" else None
+    return {
+        "restartkit": __version__, "engine": s["engine"], "engine_version": service.adapter.version(),
+        "python": platform.python_version(), "torch": torch_version, "kernel": facts.host.kernel,
+        "machine_id": facts.host.machine_id, "criu": facts.host.criu.version, "driver": facts.host.driver_version,
+        "gpu_name": gpu.name if gpu else None, "gpu_uuid": gpu.uuid if gpu else None,
+        "model": s["model"], "revision": s["revision"],
+        "checkpoint": checkpoint_digest(s["model"])[0] if s["engine"] == "reference" else None,
+        "engine_argv": spec.argv[1:], "env": env_hash({**os.environ, **spec.env}),
+    }
+
+
+def mismatches(snapshot_identity: dict, host_identity: dict) -> list[str]:
+    return [f"{k}: snapshot {snapshot_identity.get(k)!r}, host {host_identity.get(k)!r}"
+            for k in sorted(set(snapshot_identity) | set(host_identity))
+            if snapshot_identity.get(k) != host_identity.get(k)]
+
+
+def tree_pids(pid: int) -> list[int]:
+    import psutil
+    try:
+        p = psutil.Process(pid)
+        return [pid] + [c.pid for c in p.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def dump_blockers(pids: list[int]) -> list[str]:
+    """Descriptors CRIU cannot dump, named with the fix."""
+    out = []
+    for pid in pids:
+        for target in fd_targets(pid):
+            if "io_uring" in target:
+                out.append(f"PID {pid} holds an io_uring ({target}): set kernel.io_uring_disabled=2 before the engine starts")
+            elif target.startswith("/dev/infiniband"):
+                out.append(f"PID {pid} holds {target}: RDMA devices cannot be checkpointed")
+            elif "memfd:restartkit-arena" in target:
+                out.append(f"PID {pid} maps a weight-cache arena: an ipc-attached engine cannot be snapshotted")
+    return out
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def create(service, facts, leave_running: bool = True, progress: Callable[[str], None] = lambda _m: None) -> Snapshot:
+    proc = service.current()
+    if proc is None or not service.is_ready():
+        raise StrategyError(f"{service.policy.name} is not serving", hint=f"start it first: restartkit start --policy {service.policy.path}")
+    crit = Criu(facts.host.criu.path)
+    store = store_for(service)
+    pids = tree_pids(proc.pid)
+    if blockers := dump_blockers(pids):
+        raise StrategyError("the engine cannot be dumped: " + "; ".join(blockers))
+    progress("taking the canary")
+    canary = service.canary()
+    ident = identity(service, facts)
+    base = service.adapter.base_url(service.policy)
+    gpu = uses_cuda(proc.pid)
+    cuda = CudaCheckpoint() if gpu else None
+    images = store.new_dir()
+    phases: dict[str, float] = {}
+    # SIGTERM while we hold the engine half-parked: finish putting it back first.
+    old = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(_Interrupted()))
+    checkpointed = kv_dropped = dumped = False
+    try:
+        t = time.monotonic()
+        freed = http.post(base + "/admin/drop_kv_cache", timeout=60).get("freed_bytes", 0)
+        kv_dropped = True
+        phases["drop_kv_cache"] = round(time.monotonic() - t, 3)
+        if cuda:
+            progress("moving device memory to the host (CUDA checkpoint API)")
+            t = time.monotonic()
+            cuda.lock(proc.pid)
+            cuda.checkpoint(proc.pid)
+            checkpointed = True
+            phases["cuda_checkpoint"] = round(time.monotonic() - t, 3)
+        progress(f"dumping PID {proc.pid} ({len(pids)} processes) with CRIU ({crit.via}) into {images}")
+        t = time.monotonic()
+        crit.dump(proc.pid, images, leave_running=leave_running)
+        dumped = True
+        phases["criu_dump"] = round(time.monotonic() - t, 3)
+    except BaseException:
+        if not dumped or leave_running:
+            _put_back(base, proc.pid, cuda if checkpointed else None, kv_dropped)
+        import shutil
+        shutil.rmtree(images, ignore_errors=True)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    if leave_running:
+        t = time.monotonic()
+        try:
+            _put_back(base, proc.pid, cuda if checkpointed else None, kv_dropped)
+        except Exception as e:
+            import shutil
+            shutil.rmtree(images, ignore_errors=True)
+            raise StrategyError(f"the engine did not come back after the dump: {e}",
+                                hint=f"check it with `restartkit status --policy {service.policy.path}`; "
+                                     "the previous snapshot stays current") from None
+        phases["resume"] = round(time.monotonic() - t, 3)
+    else:
+        service.pidfile.unlink(missing_ok=True)
+    manifest = {
+        "created_at": time.time(), "service": service.policy.name, "pid": proc.pid, "tree_pids": pids,
+        "gpu": gpu, "identity": ident, "canary": {"prompts": service.policy.restart["canary_prompts"], "tokens": canary},
+        "criu_via": crit.via, "phases": phases, "kv_cache_freed_bytes": freed, "image_bytes": dir_bytes(images),
+        "left_running": leave_running, "files": image_sizes(images),
+    }
+    snap = store.commit(images, manifest)
+    store.prune(service.policy.criu["keep"])
+    progress(f"snapshot {snap.id}: {manifest['image_bytes'] / 1e6:.1f} MB in {phases['criu_dump']:.2f} s")
+    return snap
+
+
+def _put_back(base: str, pid: int, cuda: CudaCheckpoint | None, kv_dropped: bool) -> None:
+    if cuda is not None:
+        cuda.restore(pid)
+        cuda.unlock(pid)
+    if kv_dropped:
+        http.post(base + "/admin/restore_kv_cache", timeout=120)
+
+
+def image_sizes(images: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in images.iterdir() if p.suffix == ".img"}
+
+
+def image_damage(snap: Snapshot) -> list[str]:
+    """Image files missing or not the size they were written with (cheap: no reading)."""
+    now = image_sizes(snap.path) if snap.path.is_dir() else {}
+    out = []
+    for name, size in (snap.manifest.get("files") or {}).items():
+        if name not in now:
+            out.append(f"{name} is missing")
+        elif now[name] != size:
+            out.append(f"{name} is {now[name]} bytes, written as {size}")
+    return out
+
+
+def wait_pids_free(pids: list[int], deadline_s: float, sleep=time.sleep) -> list[int]:
+    """The PIDs still taken when the deadline passed (empty: all free)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        taken = [p for p in pids if os.path.exists(f"/proc/{p}")]
+        if not taken or time.monotonic() >= end:
+            return taken
+        sleep(0.05)
+
+
+def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict]:
+    """Restore `snap` as the service's engine; returns the process and phases.
+    Raises StrategyError (CriuError with the log tail) on any failure; the
+    caller kills what is left and runs recovery."""
+    phases: dict[str, float] = {}
+    miss = mismatches(snap.manifest["identity"], identity(service, facts))
+    if miss:
+        raise StrategyError("the snapshot does not match this host: " + "; ".join(miss))
+    t = time.monotonic()
+    taken = wait_pids_free(snap.manifest["tree_pids"], service.policy.criu["pid_wait_s"])
+    phases["wait_pids"] = round(time.monotonic() - t, 3)
+    if taken:
+        holders = ", ".join(f"{p} ({_name(p)})" for p in taken)
+        raise StrategyError(f"the snapshot's PIDs are taken: {holders}",
+                            hint="CRIU restores processes under their old PIDs; they stayed taken past [criu] pid_wait_s")
+    damaged = image_damage(snap)
+    if damaged:
+        raise StrategyError("the snapshot's images are damaged: " + "; ".join(damaged))
+    crit = Criu(facts.host.criu.path)
+    t = time.monotonic()
+    pid = crit.restore(snap.path, service.policy.criu["restore_timeout_s"], snap.manifest["tree_pids"])
+    phases["criu_restore"] = round(time.monotonic() - t, 3)
+    proc = service.adopt(pid, "criu")
+    base = service.adapter.base_url(service.policy)
+    try:
+        if snap.manifest.get("gpu"):
+            t = time.monotonic()
+            cuda = CudaCheckpoint()
+            cuda.restore(pid)
+            cuda.unlock(pid)
+            phases["cuda_restore"] = round(time.monotonic() - t, 3)
+        t = time.monotonic()
+        http.post(base + "/admin/restore_kv_cache", timeout=120)
+        phases["kv_cache_restore"] = round(time.monotonic() - t, 3)
+        t = time.monotonic()
+        proc.wait_ready(lambda: service.adapter.probe(service.policy), service.policy.restart["start_timeout_s"])
+        phases["ready"] = round(time.monotonic() - t, 3)
+    except BaseException:
+        kill_tree(pid)
+        raise
+    service.mark_ready(proc, "criu")
+    return proc, phases
+
+
+def kill_tree(pid: int) -> None:
+    for p in reversed(tree_pids(pid)):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+__all__ = ["create", "restore", "identity", "mismatches", "store_for", "wait_pids_free", "CriuError"]

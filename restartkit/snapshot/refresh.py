@@ -1,0 +1,99 @@
+"""`restartkit snapshot refresh`: for cron or a systemd timer.
+
+One lock per service (a second refresh exits at once, cleanly); skip when
+the current snapshot matches today's identity and is younger than max_age;
+otherwise create a new one beside it (the engine keeps running), verify it,
+switch `current`, keep N.  One line of output, fit for cron mail.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILED, EXIT_BUSY = 0, 1, 75  # 75: EX_TEMPFAIL, "try again later"
+
+
+def refresh(service, facts, force: bool = False, say=print) -> int:
+    from restartkit.snapshot.ops import create, identity, mismatches, store_for
+    store = store_for(service)
+    store.ensure()
+    lock_path = store.root / ".refresh.lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        say(f"{service.policy.name}: another refresh is running (lock {lock_path}); nothing done")
+        os.close(fd)
+        return EXIT_BUSY
+    try:
+        cur = store.current()
+        max_age = service.policy.criu["max_age_h"] * 3600
+        if cur and not force and not cur.suspect and cur.age_s < max_age:
+            miss = mismatches(cur.manifest["identity"], identity(service, facts))
+            if not miss:
+                say(f"{service.policy.name}: snapshot {cur.id} is current ({cur.age_s / 3600:.1f} h old); nothing to do")
+                return EXIT_OK
+            why = f"identity changed ({miss[0]})"
+        else:
+            why = "forced" if force else ("no snapshot" if not cur else ("suspect" if cur.suspect else "too old"))
+        t0 = time.monotonic()
+        snap = create(service, facts, leave_running=True)
+        verify(snap)
+        if service.policy.criu["test_restore"]:
+            say(f"{service.policy.name}: note: test restores on a spare port are not built yet; inspected only")
+        removed = store.prune(service.policy.criu["keep"])
+        say(f"{service.policy.name}: new snapshot {snap.id} ({why}; {snap.manifest['image_bytes'] / 1e6:.0f} MB "
+            f"in {time.monotonic() - t0:.1f} s); pruned {len(removed)}")
+        return EXIT_OK
+    except Exception as e:
+        say(f"{service.policy.name}: refresh failed: {e}; the previous snapshot stays current")
+        return EXIT_FAILED
+    finally:
+        os.close(fd)
+
+
+def verify(snap) -> None:
+    """A snapshot is usable when its core images are there and not empty."""
+    files = {p.name for p in snap.path.iterdir()}
+    for needed in ("inventory.img", "pstree.img"):
+        if needed not in files:
+            raise RuntimeError(f"snapshot {snap.id} lacks {needed}")
+    if not any(n.startswith("pages-") for n in files):
+        raise RuntimeError(f"snapshot {snap.id} holds no memory pages")
+
+
+def install_timer(service, schedule: str, unit_dir: str = "/etc/systemd/system") -> tuple[list[Path], str]:
+    """Write restartkit-refresh@<service>.service/.timer; return them and the crontab line."""
+    exe = shutil.which("restartkit") or f"{sys.executable} -m restartkit.cli"
+    policy = os.path.abspath(service.policy.path)
+    name = f"restartkit-refresh-{service.policy.name}"
+    d = Path(unit_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    svc = d / f"{name}.service"
+    tmr = d / f"{name}.timer"
+    svc.write_text(f"""[Unit]
+Description=restartkit: refresh the CRIU snapshot of {service.policy.name}
+
+[Service]
+Type=oneshot
+ExecStart={exe} snapshot refresh --policy {policy}
+SuccessExitStatus=75
+""")
+    tmr.write_text(f"""[Unit]
+Description=restartkit: refresh the CRIU snapshot of {service.policy.name} ({schedule})
+
+[Timer]
+OnCalendar={schedule}
+Persistent=true
+RandomizedDelaySec=15min
+
+[Install]
+WantedBy=timers.target
+""")
+    cron_time = {"daily": "17 3 * * *", "hourly": "17 * * * *", "weekly": "17 3 * * 0"}.get(schedule, "17 3 * * *")
+    cron = f"{cron_time} root {exe} snapshot refresh --policy {policy}"
+    return [svc, tmr], cron
