@@ -287,6 +287,52 @@ def weightcache_release(policy_path, force, stop_daemons, as_json):
     sys.exit(EXIT_SERVING if all(r.get("ok") for r in replies) else EXIT_NOT_SERVING)
 
 
+# ---- sleep mode ----------------------------------------------------------------------
+
+@main.command("sleep")
+@policy_option
+@click.option("--level", type=click.IntRange(1, 2), default=None, help="Default: [sleep] level.")
+@json_option
+@state_dir_option
+@friendly
+def sleep_cmd(policy_path, level, as_json):
+    """Put the engine to sleep: park (1) or drop (2) its weights, free its KV cache."""
+    from restartkit import http
+    from restartkit.memory import process_memory
+    svc = load(policy_path)
+    proc = svc.current()
+    if proc is None:
+        from restartkit.errors import EngineStartError
+        raise EngineStartError(f"{svc.policy.name} is not running", hint=f"restartkit start --policy {svc.policy.path}")
+    level = level or svc.policy.sleep["level"]
+    device = svc.policy.service["device"]
+    before = process_memory(proc.pid, device)
+    try:
+        info = http.post(f"{svc.adapter.base_url(svc.policy)}/sleep?level={level}", timeout=300)
+    except http.HTTPFailure as e:
+        from restartkit.errors import StrategyError
+        raise StrategyError(f"the engine refused to sleep: {e.message}",
+                            hint="is sleep mode on? set [sleep] enabled = true and restart once") from None
+    after = process_memory(proc.pid, device)
+    data = {**info, "memory_before": before, "memory_asleep": after}
+    freed = (before or 0) - (after or 0)
+    emit(data, as_json, f"{svc.policy.name} asleep at level {level}; the process freed {freed / 1e6:.1f} MB "
+         f"({'device memory' if device == 'cuda' else 'resident memory'})")
+
+
+@main.command("wake")
+@policy_option
+@json_option
+@state_dir_option
+@friendly
+def wake_cmd(policy_path, as_json):
+    """Wake a sleeping engine, prove it by the canary; on failure, recover with a cold start."""
+    from restartkit.restart import restart as do_restart
+    rec = do_restart(load(policy_path), "sleep", "restart", strict=False, say=say)
+    emit(rec.to_dict(), as_json, render_record(rec.to_dict()))
+    sys.exit(rec.exit_code)
+
+
 # ---- snapshots -----------------------------------------------------------------------
 
 @main.group()
@@ -420,7 +466,7 @@ def model():
 
 
 @model.command("create")
-@click.option("--preset", type=click.Choice(["tiny", "tiny-moe", "1b", "8b-shape"]), default="tiny", show_default=True)
+@click.option("--preset", type=click.Choice(["tiny", "tiny-moe", "small", "1b", "8b-shape"]), default="tiny", show_default=True)
 @click.option("--out", required=True, type=click.Path(file_okay=False))
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)

@@ -1,8 +1,10 @@
 """`restartkit demo`: the main job end to end on the embedded reference model.
 
-Creates the tiny checkpoint, starts the reference engine on the CPU under the
-demo policy, shows the plan, restarts with --strategy auto, prints the record,
-and benches every strategy that can run here."""
+Creates a small seeded checkpoint, starts the reference engine on the CPU
+under the demo policy (sleep mode on), starts a weight cache for it, takes a
+CRIU snapshot where this host allows one, shows the plan, restarts with
+--strategy auto, prints the record, and benches every strategy that can run
+here.  Everything it started is stopped at the end."""
 from __future__ import annotations
 
 import os
@@ -20,7 +22,7 @@ DEMO_POLICY = """\
 [service]
 name = "demo"
 engine = "reference"
-model = "{workdir}/models/tiny"
+model = "{workdir}/models/small"
 host = "127.0.0.1"
 port = 8199
 device = "cpu"
@@ -35,7 +37,8 @@ canary_prompts = ["The quick brown fox", "Restarting an inference server"]
 canary_max_tokens = 16
 
 [ipc]
-mode = "zero_copy"
+# copy mode: the engine owns its weights, so sleep mode can park them
+mode = "copy"
 fallback = true
 
 [criu]
@@ -43,6 +46,7 @@ keep = 2
 max_age_h = 24
 
 [sleep]
+enabled = true
 level = 1
 """
 
@@ -57,11 +61,11 @@ def run_demo(workdir: str = DEFAULT_WORKDIR, repeat: int = 2, say: Callable[[str
 
     root = Path(os.path.expanduser(workdir))
     root.mkdir(parents=True, exist_ok=True)
-    model_dir = root / "models" / "tiny"
+    model_dir = root / "models" / "small"
     if not (model_dir / "config.json").exists():
         from restartkit.reference.checkpoint import write_checkpoint
-        say(f"== creating the tiny reference checkpoint in {model_dir}")
-        write_checkpoint(model_dir, "tiny")
+        say(f"== creating the small reference checkpoint in {model_dir}")
+        write_checkpoint(model_dir, "small")
     policy_path = root / "demo.toml"
     policy_path.write_text(DEMO_POLICY.format(workdir=workdir))
     os.environ.setdefault("RESTARTKIT_STATE_DIR", str(root / "state"))
@@ -72,6 +76,13 @@ def run_demo(workdir: str = DEFAULT_WORKDIR, repeat: int = 2, say: Callable[[str
     started = svc.start_engine("cold")
     svc.canary()
     say(f"serving on {svc.adapter.base_url(svc.policy)} (PID {started.process.pid}) after {started.ready_s:.2f} s")
+
+    say(f"\n== restartkit preload --policy {policy_path} --detach   (the weight cache, for ipc)")
+    from restartkit.weightcache.prelaunch import preload_command
+    preload_command(str(policy_path), _no_flags(), detach=True, wait_ready=False, say=say)
+
+    say(f"\n== restartkit snapshot create --policy {policy_path}   (for criu)")
+    _try_snapshot(svc, say)
 
     say("\n== restartkit plan --strategy auto")
     plan, _ = plan_for(svc, "auto", "restart")
@@ -89,6 +100,29 @@ def run_demo(workdir: str = DEFAULT_WORKDIR, repeat: int = 2, say: Callable[[str
     if not_here:
         say("not benched here: " + "; ".join(not_here))
     svc.stop()
-    say(f"\nthe demo engine was stopped; start it again with: restartkit start --policy {policy_path}")
+    from restartkit.weightcache.client import send_all
+    send_all(svc.policy, "stop", force=True)
+    say(f"\nthe demo engine and its weight cache were stopped; start again with: restartkit start --policy {policy_path}")
     say(f"records: {svc.state_dir / 'history.jsonl'}; metrics: {svc.state_dir / 'metrics.prom'}")
     return EXIT_SERVING if rec.final_state == "serving" else EXIT_NOT_SERVING
+
+
+def _no_flags() -> dict:
+    from restartkit.weightcache.prelaunch import FLAG_TO_LAYOUT
+    return {**{k: None for k in FLAG_TO_LAYOUT}, "startup_timeout": None, "health_host": None, "health_port": None}
+
+
+def _try_snapshot(svc, say) -> None:
+    from restartkit.restart import gather_facts
+    from restartkit.snapshot.ops import create
+    from restartkit.strategies.criu_checks import SNAPSHOT_PREREQUISITES
+    facts = gather_facts(svc, "restart")
+    reasons = [r for r in (p(facts, svc.policy) for p in SNAPSHOT_PREREQUISITES) if r]
+    if reasons:
+        say("no snapshot on this host: " + "; ".join(reasons))
+        return
+    try:
+        snap = create(svc, facts, leave_running=True)
+        say(f"snapshot {snap.id}: {snap.manifest['image_bytes'] / 1e6:.0f} MB, dumped in {snap.manifest['phases']['criu_dump']:.2f} s")
+    except Exception as e:
+        say(f"snapshot failed: {e}")

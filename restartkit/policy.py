@@ -108,7 +108,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "restore_timeout_s": Key((int, float), 600.0, check=_positive),
     },
     "sleep": {
+        "enabled": Key(bool, False, doc="start the engine with sleep mode (needed by the sleep strategy)"),
         "level": Key(int, 1, (1, 2)),
+        "min_freed_fraction": Key((int, float), 0.5, check=_positive,
+                                  doc="sleep must free at least this share of weights + KV cache, or it failed"),
     },
 }
 

@@ -91,6 +91,10 @@ class Service:
         if proc is not None:
             sf.engine_running, sf.pid = True, proc.pid
             sf.engine_ready = self.is_ready()
+            try:
+                sf.extra["engine_stats"] = self.adapter.stats(self.policy)
+            except Exception:
+                pass
         if not sf.model_problem and self.policy.service["engine"] == "reference":
             sf.extra["ipc"] = self.ipc_facts()
         return sf

@@ -71,6 +71,16 @@ class Seam:
             return False
 
 
+def reap(pid: int) -> None:
+    """Collect `pid` if it is our own exited child, so its PID is free again
+    (a long-lived restartkit process, such as the demo or bench, is the
+    parent of the engines it started)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
 def describe_exit(returncode: int | None) -> str:
     if returncode is None:
         return "exited (status unknown: not our child)"
@@ -185,6 +195,7 @@ class EngineProcess:
                 self.seam.sleep(0.05)
         if self.alive():
             raise RuntimeError(f"engine {self.pid} survived SIGKILL (uninterruptible sleep?)")
+        reap(self.pid)
         if self.state is ProcState.STOPPING:
             self.to(ProcState.EXITED)
         return how

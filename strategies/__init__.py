@@ -12,10 +12,10 @@ def _registry() -> dict[str, BaseStrategy]:
     from restartkit.strategies.cold import ColdStrategy
     from restartkit.strategies.criu import CriuStrategy
     from restartkit.strategies.ipc import IPCStrategy
-    from restartkit.strategies.unbuilt import UnbuiltStrategy
+    from restartkit.strategies.sleep import SleepStrategy
 
     return {
-        "sleep": UnbuiltStrategy("sleep"),
+        "sleep": SleepStrategy(),
         "ipc": IPCStrategy(),
         "criu": CriuStrategy(),
         "cold": ColdStrategy(),

@@ -27,7 +27,8 @@ def no_pipeline_parallel(facts: Facts, policy) -> str | None:
 
 
 def not_with_sleep_zero_copy(facts: Facts, policy) -> str | None:
-    if "--enable-sleep-mode" in policy.service["engine_args"] and policy.ipc["mode"] == "zero_copy":
+    sleepy = policy.sleep["enabled"] or "--enable-sleep-mode" in policy.service["engine_args"]
+    if sleepy and policy.ipc["mode"] == "zero_copy":
         return "sleep mode cannot park weights the engine maps from the daemon: use [ipc] mode = 'copy' or drop sleep mode"
     return None
 

@@ -69,7 +69,7 @@ def test_auto_falls_to_cold_and_plan_lists_all_four(make_policy, service_cleanup
     assert all(s["reasons"] for s in plan["strategies"] if not s["eligible"])
 
 
-def test_forced_unbuilt_strategy_is_a_recorded_recovery(make_policy, service_cleanup):
+def test_forced_ineligible_strategy_is_a_recorded_recovery(make_policy, service_cleanup):
     policy = make_policy()
     start(policy, service_cleanup)
     r = run_cli("restart", "--policy", policy, "--strategy", "ipc", "--strict", "--json")

@@ -59,10 +59,9 @@ def test_nothing_can_run_when_cold_cannot():
     assert "nothing can run" in render_plan(plan)
 
 
-def test_real_registry_reports_unbuilt_strategies_honestly():
+def test_real_registry_explains_each_strategy():
     plan = make_plan(facts(), policy(), "auto", all_strategies())
-    v = plan.verdicts["sleep"]
-    assert not v.eligible and not v.built and "not built" in v.reasons[0]
+    assert any("without sleep mode" in r for r in plan.verdicts["sleep"].reasons)
     assert plan.verdicts["criu"].built and any("no snapshot yet" in r for r in plan.verdicts["criu"].reasons)
     assert plan.verdicts["ipc"].built and not plan.verdicts["ipc"].eligible
 
@@ -95,3 +94,15 @@ def test_criu_missing_binary_names_the_installer():
     f = facts(criu=CriuFacts(path=None, source="not found in RESTARTKIT_CRIU, /opt/restartkit/criu or PATH"))
     reasons = all_strategies()["criu"].check(f, policy()).reasons
     assert any("scripts/install-criu" in r for r in reasons)
+
+
+def test_sleep_cannot_apply_new_code_and_says_so():
+    f = facts(reason="code")
+    f.service.extra["engine_stats"] = {"sleep": {"enabled": True}, "weight_bytes": 10}
+    reasons = all_strategies()["sleep"].check(f, policy()).reasons
+    assert reasons == ["the restart is for new code: a sleep cycle keeps the process, so it applies no new code, flags or weights"]
+    f = facts(reason="restart", mem_available_bytes=5)
+    f.service.extra["engine_stats"] = {"sleep": {"enabled": True}, "weight_bytes": 10,
+                                       "load": {"source": "ipc", "mode": "zero_copy"}}
+    reasons = " | ".join(all_strategies()["sleep"].check(f, policy()).reasons)
+    assert "zero_copy" in reasons and "level 1 parks" in reasons

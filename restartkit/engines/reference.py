@@ -23,6 +23,8 @@ class ReferenceAdapter(EngineAdapter):
                  "--data-parallel-rank", str(policy.ipc["data_parallel_start_rank"])]
         if s["expert_parallel"]:
             argv.append("--enable-expert-parallel")
+        if policy.sleep["enabled"]:
+            argv.append("--enable-sleep-mode")
         argv += list(s["engine_args"]) + list(extra_args)
         return LaunchSpec(argv=argv, env=dict(s["env"]))
 

@@ -49,6 +49,13 @@ PRESETS: dict[str, Preset] = {
         max_shard_bytes=400_000,
         about="tiny with a 4-expert top-2 MoE MLP; expert-parallel tests",
     ),
+    "small": Preset(
+        ModelConfig(vocab_size=384, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+                    torch_dtype="float32"),
+        max_shard_bytes=20_000_000,
+        about="13 M parameters, float32 (53 MB); CPU memory checks (sleep)",
+    ),
     "1b": Preset(
         ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,

@@ -93,7 +93,8 @@ class Engine:
             raise ValueError(problem)
         if self.options.tp_size > 1:
             self._timed("dist_init", self.init_distributed)
-        self._timed("weight_load", weights or self.load_from_disk)
+        self._weights = weights or self.load_from_disk
+        self._timed("weight_load", self._weights)
         if self.options.tp_size > 1:
             self._gather_load_results()
         self._timed("kv_cache_alloc", self.model.allocate_kv_cache, self.options.max_model_len)
@@ -113,6 +114,10 @@ class Engine:
         # it while idle, so it never times out; a dead rank 0 takes them down
         # through their parent-death signal instead.
         self._control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+
+    def reload_weights(self) -> None:
+        """Load the weights again from where they came from at start (disk or weight cache)."""
+        self._weights()
 
     def _gather_load_results(self) -> None:
         """Every rank's weight source, so rank 0 can say hit, fallback or mixed."""

@@ -55,6 +55,8 @@ class State:
         self.started_at = time.time()
         self.ready_at: float | None = None
         self.requests = 0
+        self.sleeper = None  # set when the engine runs with --enable-sleep-mode
+        self.sleep_public = False
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -97,10 +99,17 @@ class Handler(BaseHTTPRequestHandler):
         path = urlparse(self.path).path
         st = self.server.state
         if path == "/health":
-            if st.ready:
+            if st.sleeper is not None and st.sleeper.asleep:
+                self._send(503, {"status": "asleep", "level": st.sleeper.level})
+            elif st.ready:
                 self._send(200, {"status": "ready"})
             else:
                 self._send(503, {"status": "loading"})
+        elif path == "/is_sleeping":
+            if st.sleeper is None:
+                self._error(404, "sleep mode is off: start the engine with --enable-sleep-mode")
+            else:
+                self._send(200, {"is_sleeping": st.sleeper.asleep, "level": st.sleeper.level})
         elif path == "/v1/models":
             self._send(200, {"object": "list", "data": [
                 {"id": st.model_name, "object": "model", "created": int(st.started_at), "owned_by": "restartkit"}]})
@@ -118,6 +127,8 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if path == "/v1/completions":
                 self._completions(body)
+            elif path in ("/sleep", "/wake_up"):
+                self._sleep_or_wake(path, query)
             elif path == "/admin/drop_kv_cache":
                 self._admin_drop_kv()
             elif path == "/admin/restore_kv_cache":
@@ -130,6 +141,36 @@ class Handler(BaseHTTPRequestHandler):
             log(f"error on {path}: {type(e).__name__}: {e}")
             self._error(500, f"{type(e).__name__}: {e}", "server_error")
 
+    def _sleep_or_wake(self, path: str, query: dict) -> None:
+        st = self.server.state
+        if st.sleeper is None:
+            self._error(404, "sleep mode is off: start the engine with --enable-sleep-mode")
+            return
+        if not st.sleep_public and self.client_address[0] not in ("127.0.0.1", "::1"):
+            self._error(403, "sleep endpoints answer on loopback only (--sleep-endpoints-public to change that)")
+            return
+        from restartkit.reference.sleep import SleepError
+        eng = st.engine
+        try:
+            with eng.lock:
+                if path == "/sleep":
+                    level = int((query.get("level") or ["1"])[0])
+                    st.ready = False
+                    info = st.sleeper.sleep(level)
+                else:
+                    tags = query.get("tags") or ["weights", "kv_cache"]
+                    info = st.sleeper.wake(weights="weights" in tags, kv_cache="kv_cache" in tags)
+                    st.ready = not st.sleeper.asleep and eng.model.cache_k is not None
+        except SleepError as e:
+            self._error(409, str(e), "conflict")
+            return
+        except (RuntimeError, MemoryError) as e:  # out of memory while waking: still asleep, weights kept
+            log(f"{path} failed: {type(e).__name__}: {e}")
+            self._error(507, f"{path} failed: {type(e).__name__}: {str(e)[:300]}; the engine is still asleep", "insufficient_storage")
+            return
+        log(f"{path}: {json.dumps(info)}")
+        self._send(200, {**info, "is_sleeping": st.sleeper.asleep})
+
     def _stats(self) -> dict:
         st = self.server.state
         eng = st.engine
@@ -138,6 +179,8 @@ class Handler(BaseHTTPRequestHandler):
             "phases": st.phases, "requests": st.requests,
             "started_at": st.started_at, "ready_at": st.ready_at,
         }
+        if st.sleeper is not None:
+            out["sleep"] = {"enabled": True, "level": st.sleeper.level, "last": st.sleeper.last}
         if eng is not None and eng.model is not None:
             out.update(load=eng.load_info, device=str(eng.device), dtype=str(eng.dtype).replace("torch.", ""),
                        weight_bytes=eng.weight_bytes(), kv_cache_bytes=eng.model.kv_cache_bytes,
@@ -157,6 +200,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def _completions(self, body: dict) -> None:
         st = self.server.state
+        if st.sleeper is not None and st.sleeper.asleep:
+            self._error(503, f"the engine is asleep (level {st.sleeper.level}): POST /wake_up first", "unavailable")
+            return
         if not st.ready:
             self._error(503, "the engine is not ready (loading, or its KV cache was dropped)", "unavailable")
             return
@@ -226,6 +272,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ipc-config", default="{}", help="JSON: mode, fallback, connect_timeout_s, state_timeout_s, socket_dir")
     p.add_argument("--dist-port", type=int, default=0, help="rank 0's rendezvous port (tensor parallel)")
     p.add_argument("--worker-rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--enable-sleep-mode", action="store_true", help="POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping")
+    p.add_argument("--sleep-endpoints-public", action="store_true", help="answer sleep endpoints off loopback too")
     args = p.parse_args(argv)
     try:
         args.ipc = json.loads(args.ipc_config)
@@ -385,6 +433,13 @@ def _load(args, state: State, outcome: dict) -> None:
         outcome["error"] = f"{type(e).__name__}: {e}"
         return
     state.engine = engine
+    if args.enable_sleep_mode:
+        if args.tensor_parallel_size > 1:
+            outcome["error"] = "sleep mode is supported at tensor_parallel_size 1 only"
+            return
+        from restartkit.reference.sleep import Sleeper
+        state.sleeper = Sleeper(engine)
+        state.sleep_public = args.sleep_endpoints_public
     state.phases.update(engine.phases)
     state.ready_at = time.time()
     state.ready = True

@@ -25,7 +25,7 @@ from restartkit.errors import StrategyError
 from restartkit.snapshot.criu import Criu, CriuError
 from restartkit.snapshot.cudackpt import CudaCheckpoint, fd_targets, uses_cuda
 from restartkit.snapshot.store import Snapshot, SnapshotStore, dir_bytes
-from restartkit.supervise import EngineProcess
+from restartkit.supervise import EngineProcess, reap
 
 ENV_PREFIXES = ("CUDA_", "NCCL_", "TORCH_", "PYTORCH_", "VLLM_", "SGLANG_", "OMP_", "MKL_")
 
@@ -192,6 +192,8 @@ def wait_pids_free(pids: list[int], deadline_s: float, sleep=time.sleep) -> list
     """The PIDs still taken when the deadline passed (empty: all free)."""
     end = time.monotonic() + deadline_s
     while True:
+        for p in pids:
+            reap(p)
         taken = [p for p in pids if os.path.exists(f"/proc/{p}")]
         if not taken or time.monotonic() >= end:
             return taken
