@@ -51,6 +51,7 @@ class Sleeper:
             self.parked = self._park(params)
         for name, p in params:
             _set(eng.model, name, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+        del params, p  # the last references: without this nothing is freed below
         if eng.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
