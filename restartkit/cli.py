@@ -492,6 +492,23 @@ def engine_serve(ctx):
     sys.exit(serve_main(ctx.args))
 
 
+# ---- audit -------------------------------------------------------------------------
+
+@main.command()
+@click.argument("path", type=click.Path())
+@click.option("--engine", default="vllm", show_default=True)
+@click.option("--from", "since", default=None, help="The version you run now.")
+@click.option("--to", "until", default=None, help="The version you upgrade to.")
+@json_option
+@friendly
+def audit(path, engine, since, until, as_json):
+    """Find what an engine upgrade removed, renamed or gated in a deploy repository. Exit 1 when something needs action."""
+    from restartkit.audit import audit as run_audit, render
+    result = run_audit(path, engine, since, until)
+    emit(result, as_json, render(result))
+    sys.exit(1 if result["needs_action"] else 0)
+
+
 # ---- bench and demo --------------------------------------------------------------------
 
 @main.command()

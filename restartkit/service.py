@@ -27,6 +27,7 @@ class Started:
     engine_phases: dict = field(default_factory=dict)
     weight_source: str | None = None
     stats: dict = field(default_factory=dict)
+    log_offset: int = 0  # where this start's output begins in the engine log
 
 
 def write_json_atomic(path: Path, data) -> None:
@@ -148,6 +149,7 @@ class Service:
         spec = self.adapter.launch(self.policy, list(extra_args))
         env = {**os.environ, **spec.env, **(extra_env or {}), "RESTARTKIT_SPAWN_TIME": repr(time.time())}
         with open(self.log_path, "ab") as log:
+            log_offset = log.tell()
             log.write(f"\n==== {time.strftime('%Y-%m-%dT%H:%M:%S')} restartkit start ({strategy}): {' '.join(spec.argv)}\n".encode())
             log.flush()
             popen = self.seam.popen(spec.argv, stdin=subprocess_devnull(), stdout=log, stderr=log,
@@ -163,7 +165,7 @@ class Service:
             self.pidfile.unlink(missing_ok=True)
             raise
         self._write_pidfile(proc, strategy, ready=True)
-        started = Started(process=proc, ready_s=ready_s)
+        started = Started(process=proc, ready_s=ready_s, log_offset=log_offset)
         try:
             stats = self.adapter.stats(self.policy)
             started.stats = stats

@@ -93,10 +93,12 @@ def snapshot_ready(facts: Facts, policy) -> str | None:
 
 
 def revision_pinned(facts: Facts, policy) -> str | None:
+    import os
     svc = policy.service
-    if svc["revision"] or svc["engine"] == "reference":
-        return None  # the reference engine's checkpoint is local and fingerprinted
-    return "a snapshot is tied to exact weights: pin service.revision to a 40-character commit id"
+    if svc["revision"] or os.path.isdir(os.path.expanduser(svc["model"])):
+        return None  # a local checkpoint is pinned by its content digest in the snapshot's identity
+    return (f"a snapshot is tied to exact weights: {svc['model']} is a hub id, so pin [service] revision "
+            "to a 40-character commit id")
 
 
 SNAPSHOT_PREREQUISITES = [linux_x86_64, root_or_sudo, single_device, criu_usable, io_uring_off, revision_pinned,

@@ -15,10 +15,16 @@ def _ipc(facts: Facts) -> dict:
     return facts.service.extra.get("ipc") or {}
 
 
+def _adapter(policy):
+    from restartkit.engines import get_adapter
+    return get_adapter(policy.service["engine"])[0]
+
+
 def engine_supports_ipc(facts: Facts, policy) -> str | None:
-    if policy.service["engine"] != "reference":
-        return f"the {policy.service['engine']} adapter cannot load through the weight cache yet"
-    return None
+    adapter = _adapter(policy)
+    if adapter is None:
+        return None  # adapter_available says why
+    return adapter.feature_problems(policy).get("ipc", f"the {adapter.name} adapter cannot load through a weight cache")
 
 
 def no_pipeline_parallel(facts: Facts, policy) -> str | None:
@@ -34,6 +40,8 @@ def not_with_sleep_zero_copy(facts: Facts, policy) -> str | None:
 
 
 def daemons_ready(facts: Facts, policy) -> str | None:
+    if policy.service["engine"] != "reference":
+        return engine_cache_healthy(policy)
     info = _ipc(facts)
     if "error" in info:
         return f"could not ask the weight-cache daemons: {info['error']}"
@@ -61,6 +69,20 @@ def fingerprints_match(facts: Facts, policy) -> str | None:
     return ("the daemon holds other weights than the engine wants: " + " | ".join(reasons)) if reasons else None
 
 
+def engine_cache_healthy(policy) -> str | None:
+    """An engine's own weight cache (vLLM's `vllm preload`): its health endpoint must say ready."""
+    from restartkit import http
+    i = policy.ipc
+    if not i["health_port"]:
+        return ("set [ipc] health_port to the port of the engine's own weight cache "
+                "(`vllm preload --weight-cache-health-port N`), so restartkit can see that it is ready")
+    try:
+        http.get(f"http://{i['health_host']}:{i['health_port']}/health", timeout=3)
+        return None
+    except http.HTTPFailure as e:
+        return f"the weight cache's health at {i['health_host']}:{i['health_port']} says {e.status or 'nothing'}: not ready"
+
+
 class IPCStrategy(BaseStrategy):
     name = "ipc"
     prerequisites = [adapter_available, model_loadable, engine_supports_ipc, no_pipeline_parallel,
@@ -74,6 +96,8 @@ class IPCStrategy(BaseStrategy):
         t1 = time.monotonic()
         started = service.start_engine(strategy=self.name, extra_args=service.adapter.ipc_args(service.policy))
         phases["start_to_ready"] = round(time.monotonic() - t1, 4)
+        if service.policy.service["engine"] == "vllm":
+            return self._vllm_proof(service, started, phases)
         load = (started.stats or {}).get("load") or {}
         ranks = load.get("ranks") or [load.get("ipc")]
         proof = {"ipc": load.get("ipc"), "ranks": ranks, "mode": load.get("mode"),
@@ -85,4 +109,19 @@ class IPCStrategy(BaseStrategy):
         proof["ipc"] = "mixed" if "hit" in ranks else "fallback"
         out.fallback = f"{proof['ipc']}({load.get('fallback_field') or load.get('fallback_reason')})"
         out.detail["fallback_reason"] = load.get("fallback_reason")
+        return out
+
+    def _vllm_proof(self, service, started, phases) -> Outcome:
+        """vLLM says hit or fallback only in its log: read every rank's lines since this start."""
+        from restartkit.engines.vllm import parse_ipc_log
+        with open(service.log_path, "rb") as f:
+            f.seek(started.log_offset)
+            text = f.read().decode(errors="replace")
+        verdict = parse_ipc_log(text, service.policy.service["tensor_parallel_size"])
+        out = Outcome(self.name, ok=True, phases=phases, engine_phases=started.engine_phases,
+                      proof={"ipc": verdict["ipc"], "ranks": verdict["ranks"], "source": "engine log"})
+        if verdict["ipc"] == "unknown":
+            out.ok, out.error = False, "vLLM's log says neither hit nor fallback: the ipc path cannot be proven"
+        elif verdict["ipc"] != "hit":
+            out.fallback = verdict["summary"]
         return out

@@ -22,9 +22,15 @@ def _stats(facts: Facts) -> dict:
 
 
 def engine_supports_sleep(facts: Facts, policy) -> str | None:
-    if policy.service["engine"] != "reference":
-        return f"the {policy.service['engine']} adapter cannot drive sleep mode yet"
-    return None
+    from restartkit.engines import get_adapter
+    adapter = get_adapter(policy.service["engine"])[0]
+    if adapter is None:
+        return None
+    problem = adapter.feature_problems(policy).get("sleep", f"the {adapter.name} adapter cannot drive sleep mode")
+    if problem is None and policy.service["engine"] != "reference":
+        return (f"sleep cycles of {adapter.name} are not driven by restartkit yet "
+                "(its endpoints are known; this path was never run against a GPU engine here)")
+    return problem
 
 
 def engine_alive_with_sleep_mode(facts: Facts, policy) -> str | None:

@@ -3,11 +3,7 @@ from __future__ import annotations
 
 from restartkit.engines.base import EngineAdapter
 
-NOT_BUILT = {
-    "vllm": "the vLLM adapter is not built yet (planned: issue 6)",
-    "sglang": "the SGLang adapter is not built yet (planned: issue 6)",
-    "command": "the generic command adapter is not built yet",
-}
+NOT_BUILT = {"command": "the generic command adapter is not built yet"}
 
 
 def get_adapter(name: str) -> tuple[EngineAdapter | None, str | None]:
@@ -15,4 +11,10 @@ def get_adapter(name: str) -> tuple[EngineAdapter | None, str | None]:
     if name == "reference":
         from restartkit.engines.reference import ReferenceAdapter
         return ReferenceAdapter(), None
+    if name == "vllm":
+        from restartkit.engines.vllm import VLLMAdapter
+        return VLLMAdapter(), None
+    if name == "sglang":
+        from restartkit.engines.sglang import SGLangAdapter
+        return SGLangAdapter(), None
     return None, NOT_BUILT.get(name, f"engine {name!r} is not supported")

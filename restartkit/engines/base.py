@@ -58,6 +58,18 @@ class EngineAdapter:
     def stats(self, policy) -> dict:
         return {}
 
+    def feature_problems(self, policy) -> dict[str, str | None]:
+        """Why each optional feature (ipc, sleep) is not available with this engine here (None: available)."""
+        return {}
+
+    def before_snapshot(self, policy) -> dict:
+        """Shrink the process before a dump (e.g. free the KV cache); returns what it did."""
+        return {}
+
+    def after_resume(self, policy) -> None:
+        """Undo before_snapshot once the process runs again (after a dump or a restore)."""
+        return None
+
     def served_name(self, policy) -> str:
         return policy.service["model"]
 

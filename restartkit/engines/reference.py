@@ -46,3 +46,12 @@ class ReferenceAdapter(EngineAdapter):
 
     def stats(self, policy) -> dict:
         return http.get(self.base_url(policy) + "/admin/stats", timeout=10.0)
+
+    def feature_problems(self, policy) -> dict[str, str | None]:
+        return {"ipc": None, "sleep": None}
+
+    def before_snapshot(self, policy) -> dict:
+        return {"kv_cache_freed_bytes": http.post(self.base_url(policy) + "/admin/drop_kv_cache", timeout=60).get("freed_bytes", 0)}
+
+    def after_resume(self, policy) -> None:
+        http.post(self.base_url(policy) + "/admin/restore_kv_cache", timeout=120)

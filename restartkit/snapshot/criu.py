@@ -1,7 +1,9 @@
 """Driving CRIU: pycriu's RPC (criu swrk) when pycriu imports, else the CLI.
 
 Options a server needs: its listening TCP sockets (dumped by default),
-established connections, external unix sockets, file locks, link remap;
+established connections, external unix sockets, file locks, link remap
+(its /dev/shm/link_remap.* hard links are saved with the image, since the
+files they keep alive do not outlive the engine's own clean-up);
 shell-job only when the engine shares our session (restartkit starts
 engines in their own session, so it is normally off).
 """
@@ -15,6 +17,9 @@ from pathlib import Path
 from restartkit.errors import StrategyError
 
 PYCRIU_DIRS = ["/opt/restartkit/criu/python"]
+# Deleted files a process still maps (shared-memory segments, semaphores) are
+# saved into the image; CRIU's default limit of 1 MB is too small for engines.
+GHOST_LIMIT, GHOST_LIMIT_BYTES = "1024M", 1 << 30
 
 
 class CriuError(StrategyError):
@@ -50,11 +55,17 @@ class Criu:
     def via(self) -> str:
         return "pycriu RPC" if self.pycriu else "CLI"
 
-    def dump(self, pid: int, images: Path, leave_running: bool) -> None:
+    def dump(self, pid: int, images: Path, leave_running: bool, shm_files: list[str] = ()) -> None:
+        """Dump the tree.  CRIU keeps only the path of a linked file, so
+        shared-memory files the tree has open (/dev/shm) are copied into the
+        images by a post-dump action script, while the tree is still frozen."""
         log = images / "dump.log"
-        if self.pycriu:
+        self.last_via = "pycriu RPC" if self.pycriu and not shm_files else "CLI"
+        if self.pycriu and not shm_files:
             return self._rpc("dump", images, log, pid=pid, leave_running=leave_running)
         args = ["dump", "--tree", str(pid)] + (["--leave-running"] if leave_running else [])
+        if shm_files:
+            args += ["--action-script", str(_shm_script(images, shm_files))]
         self._cli(args, images, log)
 
     def restore(self, images: Path, timeout_s: float, pids: list[int]) -> int:
@@ -68,7 +79,7 @@ class Criu:
         return int(pidfile.read_text().strip())
 
     def _common(self) -> list[str]:
-        flags = ["--tcp-established", "--ext-unix-sk", "--file-locks", "--link-remap", "-v4"]
+        flags = ["--tcp-established", "--ext-unix-sk", "--file-locks", "--link-remap", "--ghost-limit", GHOST_LIMIT, "-v4"]
         return flags + (["--shell-job"] if self.shell_job else [])
 
     def _cli(self, args: list[str], images: Path, log: Path, timeout_s: float = 3600, pids: list[int] = ()) -> None:
@@ -97,6 +108,7 @@ class Criu:
             c.opts.ext_unix_sk = True
             c.opts.file_locks = True
             c.opts.link_remap = True
+            c.opts.ghost_limit = GHOST_LIMIT_BYTES
             c.opts.shell_job = self.shell_job
             if op == "dump":
                 c.opts.pid = pid
@@ -118,3 +130,31 @@ def _kill(pids) -> None:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+SHM_DIR = "shm"
+
+
+def _shm_script(images: Path, files: list[str]) -> Path:
+    import shlex
+    script = images / "save-shm.sh"
+    quoted = " ".join(shlex.quote(f) for f in files)
+    script.write_text(
+        "#!/bin/sh\n"
+        '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
+        f"mkdir -p {shlex.quote(str(images / SHM_DIR))} && cp -p {quoted} {shlex.quote(str(images / SHM_DIR))}/\n"
+        f"for f in /dev/shm/link_remap.*; do [ -e \"$f\" ] && cp -p \"$f\" {shlex.quote(str(images / SHM_DIR))}/; done; exit 0\n")
+    script.chmod(0o700)
+    return script
+
+
+def put_back_shm(images: Path) -> list[str]:
+    """Before a restore: the saved shared-memory files back where the tree expects them."""
+    import shutil
+    saved = images / SHM_DIR
+    out = []
+    if saved.is_dir():
+        for f in saved.iterdir():
+            shutil.copy2(f, Path("/dev/shm") / f.name)
+            out.append(f.name)
+    return out

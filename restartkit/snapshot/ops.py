@@ -20,9 +20,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
-from restartkit import __version__, http
+from restartkit import __version__
 from restartkit.errors import StrategyError
-from restartkit.snapshot.criu import Criu, CriuError
+from restartkit.snapshot.criu import Criu, CriuError, put_back_shm
 from restartkit.snapshot.cudackpt import CudaCheckpoint, fd_targets, uses_cuda
 from restartkit.snapshot.store import Snapshot, SnapshotStore, dir_bytes
 from restartkit.supervise import EngineProcess, reap
@@ -56,7 +56,7 @@ def identity(service, facts) -> dict:
         "machine_id": facts.host.machine_id, "criu": facts.host.criu.version, "driver": facts.host.driver_version,
         "gpu_name": gpu.name if gpu else None, "gpu_uuid": gpu.uuid if gpu else None,
         "model": s["model"], "revision": s["revision"],
-        "checkpoint": checkpoint_digest(s["model"])[0] if s["engine"] == "reference" else None,
+        "checkpoint": checkpoint_digest(s["model"])[0] if os.path.isdir(s["model"]) else None,
         "engine_argv": spec.argv[1:], "env": env_hash({**os.environ, **spec.env}),
     }
 
@@ -106,8 +106,8 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
     progress("taking the canary")
     canary = service.canary()
     ident = identity(service, facts)
-    base = service.adapter.base_url(service.policy)
-    gpu = uses_cuda(proc.pid)
+    adapter, pol = service.adapter, service.policy
+    gpu = any(uses_cuda(p) for p in pids)
     cuda = CudaCheckpoint() if gpu else None
     images = store.new_dir()
     phases: dict[str, float] = {}
@@ -116,36 +116,35 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
     checkpointed = kv_dropped = dumped = False
     try:
         t = time.monotonic()
-        freed = http.post(base + "/admin/drop_kv_cache", timeout=60).get("freed_bytes", 0)
+        shrunk = adapter.before_snapshot(pol)
         kv_dropped = True
         phases["drop_kv_cache"] = round(time.monotonic() - t, 3)
         if cuda:
             progress("moving device memory to the host (CUDA checkpoint API)")
             t = time.monotonic()
-            cuda.lock(proc.pid)
-            cuda.checkpoint(proc.pid)
+            for p in cuda_pids(pids):
+                cuda.lock(p)
+                cuda.checkpoint(p)
             checkpointed = True
             phases["cuda_checkpoint"] = round(time.monotonic() - t, 3)
-        progress(f"dumping PID {proc.pid} ({len(pids)} processes) with CRIU ({crit.via}) into {images}")
+        progress(f"dumping PID {proc.pid} ({len(pids)} processes) with CRIU into {images}")
         t = time.monotonic()
-        crit.dump(proc.pid, images, leave_running=leave_running)
+        crit.dump(proc.pid, images, leave_running=leave_running, shm_files=shm_files(pids))
         dumped = True
         phases["criu_dump"] = round(time.monotonic() - t, 3)
     except BaseException:
         if not dumped or leave_running:
-            _put_back(base, proc.pid, cuda if checkpointed else None, kv_dropped)
-        import shutil
-        shutil.rmtree(images, ignore_errors=True)
+            _put_back(service, pids, cuda if checkpointed else None, kv_dropped)
+        _discard(images, service)
         raise
     finally:
         signal.signal(signal.SIGTERM, old)
     if leave_running:
         t = time.monotonic()
         try:
-            _put_back(base, proc.pid, cuda if checkpointed else None, kv_dropped)
+            _put_back(service, pids, cuda if checkpointed else None, kv_dropped)
         except Exception as e:
-            import shutil
-            shutil.rmtree(images, ignore_errors=True)
+            _discard(images, service)
             raise StrategyError(f"the engine did not come back after the dump: {e}",
                                 hint=f"check it with `restartkit status --policy {service.policy.path}`; "
                                      "the previous snapshot stays current") from None
@@ -155,7 +154,7 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
     manifest = {
         "created_at": time.time(), "service": service.policy.name, "pid": proc.pid, "tree_pids": pids,
         "gpu": gpu, "identity": ident, "canary": {"prompts": service.policy.restart["canary_prompts"], "tokens": canary},
-        "criu_via": crit.via, "phases": phases, "kv_cache_freed_bytes": freed, "image_bytes": dir_bytes(images),
+        "criu_via": crit.last_via, "phases": phases, "kv_cache_freed_bytes": shrunk.get("kv_cache_freed_bytes", 0), "image_bytes": dir_bytes(images),
         "left_running": leave_running, "files": image_sizes(images),
     }
     snap = store.commit(images, manifest)
@@ -164,12 +163,42 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
     return snap
 
 
-def _put_back(base: str, pid: int, cuda: CudaCheckpoint | None, kv_dropped: bool) -> None:
+def _discard(images: Path, service) -> None:
+    """A failed create leaves no image behind, but keeps its CRIU log for the post-mortem."""
+    import shutil
+    log = images / "dump.log"
+    if log.exists():
+        service.ensure_state_dir()
+        shutil.copy2(log, service.state_dir / "last-failed-dump.log")
+    shutil.rmtree(images, ignore_errors=True)
+
+
+def shm_files(pids: list[int]) -> list[str]:
+    """Files in /dev/shm the tree holds open or maps (vLLM's message queues,
+    Python's semaphores): the ones still linked, to be saved with the image."""
+    found = set()
+    for p in pids:
+        found.update(t for t in fd_targets(p) if t.startswith("/dev/shm/"))
+        try:
+            with open(f"/proc/{p}/maps") as f:
+                found.update(line.split(None, 5)[5].strip() for line in f
+                             if len(line.split(None, 5)) == 6 and " /dev/shm/" in line)
+        except OSError:
+            continue
+    return sorted(t for t in found if not t.endswith("(deleted)") and os.path.exists(t))
+
+
+def cuda_pids(pids: list[int]) -> list[int]:
+    return [p for p in pids if uses_cuda(p)]
+
+
+def _put_back(service, pids: list[int], cuda: CudaCheckpoint | None, kv_dropped: bool) -> None:
     if cuda is not None:
-        cuda.restore(pid)
-        cuda.unlock(pid)
+        for p in cuda_pids(pids):
+            cuda.restore(p)
+            cuda.unlock(p)
     if kv_dropped:
-        http.post(base + "/admin/restore_kv_cache", timeout=120)
+        service.adapter.after_resume(service.policy)
 
 
 def image_sizes(images: Path) -> dict[str, int]:
@@ -220,19 +249,20 @@ def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict]:
         raise StrategyError("the snapshot's images are damaged: " + "; ".join(damaged))
     crit = Criu(facts.host.criu.path)
     t = time.monotonic()
+    put_back_shm(snap.path)
     pid = crit.restore(snap.path, service.policy.criu["restore_timeout_s"], snap.manifest["tree_pids"])
     phases["criu_restore"] = round(time.monotonic() - t, 3)
     proc = service.adopt(pid, "criu")
-    base = service.adapter.base_url(service.policy)
     try:
         if snap.manifest.get("gpu"):
             t = time.monotonic()
             cuda = CudaCheckpoint()
-            cuda.restore(pid)
-            cuda.unlock(pid)
+            for p in cuda_pids(tree_pids(pid)):
+                cuda.restore(p)
+                cuda.unlock(p)
             phases["cuda_restore"] = round(time.monotonic() - t, 3)
         t = time.monotonic()
-        http.post(base + "/admin/restore_kv_cache", timeout=120)
+        service.adapter.after_resume(service.policy)
         phases["kv_cache_restore"] = round(time.monotonic() - t, 3)
         t = time.monotonic()
         proc.wait_ready(lambda: service.adapter.probe(service.policy), service.policy.restart["start_timeout_s"])

