@@ -119,14 +119,17 @@ def plan(policy_path, strategy, reason, as_json):
 @strategy_option
 @reason_option
 @click.option("--strict", is_flag=True, help="Exit 3 when the service came back only through a recovery path.")
+@click.option("--overlap/--no-overlap", default=None,
+              help="ipc: prepare the new engine while the old one serves.  [default: [restart] overlap]")
+@click.option("--measure-downtime", is_flag=True, help="Hammer the service during the restart; record the longest gap.")
 @json_option
 @state_dir_option
 @friendly
-def restart(policy_path, strategy, reason, strict, as_json):
+def restart(policy_path, strategy, reason, strict, overlap, measure_downtime, as_json):
     """Restart a service: plan, run the chosen strategy, prove it, recover on failure."""
     from restartkit.restart import restart as do_restart
     svc = load(policy_path)
-    rec = do_restart(svc, strategy, reason, strict, say=say)
+    rec = do_restart(svc, strategy, reason, strict, say=say, overlap=overlap, measure_downtime=measure_downtime)
     emit(rec.to_dict(), as_json, render_record(rec.to_dict()))
     sys.exit(rec.exit_code)
 
@@ -152,6 +155,10 @@ def render_record(r: dict) -> str:
         lines.append(f"  canary: {ident} (baseline: {p.get('baseline_source')})")
     if r["time_to_ready_s"] is not None:
         lines.append(f"  time to ready: {r['time_to_ready_s']:.2f} s; first completion: {r['first_completion_s'] or 0:.3f} s")
+    d = r.get("downtime")
+    if d:
+        lines.append(f"  downtime as a client saw it: {d['downtime_s']} s ({d['answered']}/{d['requests']} requests answered; "
+                     f"failures: {d['failed'] or 'none'})")
     return "\n".join(lines)
 
 

@@ -79,6 +79,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "stop_timeout_s": Key((int, float), 30.0, check=_positive),
         "canary_prompts": Key(list, ["The quick brown fox", "Restarting an inference server"]),
         "canary_max_tokens": Key(int, 16, check=_positive),
+        "overlap": Key(bool, False, doc="ipc restarts prepare the new engine while the old one serves (reference engine)"),
     },
     "ipc": {
         "mode": Key(str, "zero_copy", ("zero_copy", "copy")),

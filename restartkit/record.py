@@ -30,6 +30,7 @@ class Record:
     recovery_reason: str | None = None
     time_to_ready_s: float | None = None
     first_completion_s: float | None = None
+    downtime: dict | None = None  # measured by a client hammering the service (--measure-downtime, overlap)
     exit_code: int = EXIT_NOT_SERVING
 
     def finish(self, strict: bool) -> "Record":

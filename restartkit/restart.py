@@ -52,15 +52,30 @@ def plan_for(service: Service, requested: str, reason: str) -> tuple[Plan, Facts
 
 
 def restart(service: Service, requested: str = "auto", reason: str = "restart", strict: bool = False,
-            say: Callable[[str], None] = lambda _m: None) -> Record:
+            say: Callable[[str], None] = lambda _m: None, overlap: bool | None = None,
+            measure_downtime: bool = False) -> Record:
     plan, facts = plan_for(service, requested, reason)
+    facts.overlap = service.policy.restart["overlap"] if overlap is None else overlap
+    if facts.overlap and plan.attempt != "ipc":
+        say(f"--overlap applies to ipc restarts only; this restart runs {plan.attempt} without it")
+        facts.overlap = False
+    if facts.overlap or measure_downtime:
+        from restartkit.overlap import DowntimeProbe
+        with DowntimeProbe(service) as probe:
+            rec = _restart(service, plan, facts, requested, reason, strict, say)
+        rec.downtime = probe.summary()
+        return _close(service, rec, strict)
+    return _close(service, _restart(service, plan, facts, requested, reason, strict, say), strict)
+
+
+def _restart(service: Service, plan: Plan, facts: Facts, requested: str, reason: str, strict: bool, say) -> Record:
     rec = Record(service=service.policy.name, policy=service.policy.path, requested=requested,
                  reason=reason, plan=plan.to_dict())
     for note in plan.notes:
         say(note)
     if plan.attempt is None:
         rec.recovery_reason = "; ".join(plan.notes)
-        return _close(service, rec, strict)
+        return rec
 
     baseline, source = _baseline(service, facts, reason, say)
     rec.proof = {"baseline_source": source, "before": baseline}
@@ -70,6 +85,13 @@ def restart(service: Service, requested: str = "auto", reason: str = "restart", 
     primary = plan.attempt
     say(f"running {primary}" + (f" (recovery: {plan.recovery})" if primary != plan.recovery else ""))
     outcome = _attempt(strategies[primary], service, facts, baseline, rec, role="primary")
+    if not outcome.ok and outcome.old_still_serving:
+        rec.via_recovery = True
+        rec.recovery_reason = f"{primary} failed before the old engine was stopped: {outcome.error}"
+        say(rec.recovery_reason + "; the old engine keeps serving")
+        if service.is_ready():
+            rec.final_state, rec.served_by = "serving", "old engine"
+        return rec
     if plan.goes_straight_to_recovery:
         rec.via_recovery = True
         rec.recovery_reason = f"{requested} is not eligible: " + "; ".join(plan.verdicts[requested].reasons)
@@ -91,7 +113,7 @@ def restart(service: Service, requested: str = "auto", reason: str = "restart", 
         rec.time_to_ready_s = round(time.monotonic() - t0 - outcome.detail.get("verify_s", 0.0), 4)
         rec.first_completion_s = outcome.detail.get("first_completion_s")
         rec.proof.update(outcome.proof.get("canary", {}))
-    return _close(service, rec, strict)
+    return rec
 
 
 def _baseline(service: Service, facts: Facts, reason: str, say) -> tuple[list | None, str]:

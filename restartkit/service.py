@@ -145,17 +145,7 @@ class Service:
             s = self.policy.service
             raise EngineStartError(f"port {s['port']} is already in use by {holder}",
                                    hint=f"stop that process, or set another [service] port in {self.policy.path}")
-        self.ensure_state_dir()
-        spec = self.adapter.launch(self.policy, list(extra_args))
-        env = {**os.environ, **spec.env, **(extra_env or {}), "RESTARTKIT_SPAWN_TIME": repr(time.time())}
-        with open(self.log_path, "ab") as log:
-            log_offset = log.tell()
-            log.write(f"\n==== {time.strftime('%Y-%m-%dT%H:%M:%S')} restartkit start ({strategy}): {' '.join(spec.argv)}\n".encode())
-            log.flush()
-            popen = self.seam.popen(spec.argv, stdin=subprocess_devnull(), stdout=log, stderr=log,
-                                    env=env, start_new_session=True, close_fds=True)
-        proc = EngineProcess(pid=popen.pid, create_time=_create_time(popen.pid), log_path=self.log_path,
-                             popen=popen, seam=self.seam)
+        proc, log_offset = self.spawn(strategy, extra_args, extra_env)
         self._write_pidfile(proc, strategy, ready=False)
         try:
             ready_s = proc.wait_ready(lambda: self.adapter.probe(self.policy), self.policy.restart["start_timeout_s"])
@@ -174,6 +164,20 @@ class Service:
         except Exception:
             pass
         return started
+
+    def spawn(self, strategy: str, extra_args=(), extra_env: dict | None = None) -> tuple[EngineProcess, int]:
+        """Start the engine process (output appended to the engine log); no waiting."""
+        self.ensure_state_dir()
+        spec = self.adapter.launch(self.policy, list(extra_args))
+        env = {**os.environ, **spec.env, **(extra_env or {}), "RESTARTKIT_SPAWN_TIME": repr(time.time())}
+        with open(self.log_path, "ab") as log:
+            log_offset = log.tell()
+            log.write(f"\n==== {time.strftime('%Y-%m-%dT%H:%M:%S')} restartkit start ({strategy}): {' '.join(spec.argv)}\n".encode())
+            log.flush()
+            popen = self.seam.popen(spec.argv, stdin=subprocess_devnull(), stdout=log, stderr=log,
+                                    env=env, start_new_session=True, close_fds=True)
+        return EngineProcess(pid=popen.pid, create_time=_create_time(popen.pid), log_path=self.log_path,
+                             popen=popen, seam=self.seam), log_offset
 
     def adopt(self, pid: int, strategy: str) -> EngineProcess:
         """Record a process restartkit did not spawn itself (a CRIU restore) as the engine."""

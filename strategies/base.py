@@ -35,6 +35,7 @@ class Facts:
     host: "HostFacts"
     service: ServiceFacts
     reason: str = "restart"  # why restart: restart | crash | config | code | weights
+    overlap: bool = False  # prepare the new engine while the old one serves (ipc)
 
 
 Predicate = Callable[[Facts, "Policy"], "str | None"]
@@ -61,6 +62,7 @@ class Outcome:
     error: str | None = None
     detail: dict[str, Any] = field(default_factory=dict)
     fallback: str | None = None  # served, but not by the fast path (e.g. "fallback(dtype)")
+    old_still_serving: bool = False  # failed before the old engine was stopped: nothing to recover
 
     def to_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items()}

@@ -89,6 +89,9 @@ class IPCStrategy(BaseStrategy):
                      not_with_sleep_zero_copy, daemons_ready, fingerprints_match]
 
     def execute(self, service, facts: Facts) -> Outcome:
+        if facts.overlap:
+            from restartkit.overlap import overlapped_ipc
+            return overlapped_ipc(service, facts, self.name)
         phases: dict[str, float] = {}
         t0 = time.monotonic()
         service.stop()

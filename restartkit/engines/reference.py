@@ -25,6 +25,8 @@ class ReferenceAdapter(EngineAdapter):
             argv.append("--enable-expert-parallel")
         if policy.sleep["enabled"]:
             argv.append("--enable-sleep-mode")
+        if policy.restart["overlap"]:
+            argv.append("--reuse-port")
         argv += list(s["engine_args"]) + list(extra_args)
         return LaunchSpec(argv=argv, env=dict(s["env"]))
 

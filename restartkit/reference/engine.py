@@ -86,6 +86,12 @@ class Engine:
     def start(self, weights=None) -> None:
         """Build the model and bring it to ready.  `weights`, when given, is
         a callable that fills the meta-device model (the ipc loader)."""
+        self.prepare(weights)
+        self.activate()
+
+    def prepare(self, weights=None) -> None:
+        """Everything that can happen while another engine still serves:
+        device context, configuration, process group, weights."""
         if self.device.type == "cuda":
             self._timed("cuda_init", lambda: torch.cuda.set_device(self.device))
         self.config = ModelConfig.load(self.options.model)
@@ -97,6 +103,9 @@ class Engine:
         self._timed("weight_load", self._weights)
         if self.options.tp_size > 1:
             self._gather_load_results()
+
+    def activate(self) -> None:
+        """What needs the device to itself: KV cache, warm-up, graph capture."""
         self._timed("kv_cache_alloc", self.model.allocate_kv_cache, self.options.max_model_len)
         self._timed("warmup", self.warmup)
         if self.device.type == "cuda" and self.options.cuda_graph and self.options.tp_size == 1:

@@ -38,9 +38,16 @@ class EngineServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, addr, engine_state):
+    def __init__(self, addr, engine_state, reuse_port: bool = False):
+        self.reuse_port = reuse_port
         super().__init__(addr, Handler)
         self.state = engine_state
+
+    def server_bind(self):
+        if self.reuse_port:  # several engines on one port: how an overlapped restart hands over
+            import socket
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        super().server_bind()
 
 
 class State:
@@ -56,6 +63,7 @@ class State:
         self.ready_at: float | None = None
         self.requests = 0
         self.sleeper = None  # set when the engine runs with --enable-sleep-mode
+        self.prepared_mode = False
         self.sleep_public = False
 
 
@@ -183,6 +191,7 @@ class Handler(BaseHTTPRequestHandler):
             out["sleep"] = {"enabled": True, "level": st.sleeper.level, "last": st.sleeper.last}
         if eng is not None and eng.model is not None:
             out.update(load=eng.load_info, device=str(eng.device), dtype=str(eng.dtype).replace("torch.", ""),
+                       reuse_port=getattr(self.server, "reuse_port", False) or st.prepared_mode,
                        weight_bytes=eng.weight_bytes(), kv_cache_bytes=eng.model.kv_cache_bytes,
                        cuda_graph=eng._graph is not None)
         try:
@@ -245,7 +254,7 @@ class Handler(BaseHTTPRequestHandler):
             }
         self._send(200, {
             "id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
-            "model": st.model_name, "choices": [choice],
+            "model": st.model_name, "choices": [choice], "system_fingerprint": f"restartkit-ref-{os.getpid()}",
             "usage": {"prompt_tokens": len(ids), "completion_tokens": len(comp.tokens),
                       "total_tokens": len(ids) + len(comp.tokens)},
         })
@@ -272,6 +281,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ipc-config", default="{}", help="JSON: mode, fallback, connect_timeout_s, state_timeout_s, socket_dir")
     p.add_argument("--dist-port", type=int, default=0, help="rank 0's rendezvous port (tensor parallel)")
     p.add_argument("--worker-rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--reuse-port", action="store_true", help="SO_REUSEPORT on the public port (overlapped restarts)")
+    p.add_argument("--prepare-only", action="store_true",
+                   help="prepare (imports, device, weights), then wait for SIGUSR1 before taking the device and the port")
+    p.add_argument("--status-file", default=None, help="JSON state for the supervisor (prepare-only mode)")
+    p.add_argument("--activate-timeout", type=float, default=300.0)
     p.add_argument("--enable-sleep-mode", action="store_true", help="POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping")
     p.add_argument("--sleep-endpoints-public", action="store_true", help="answer sleep endpoints off loopback too")
     args = p.parse_args(argv)
@@ -287,10 +301,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def serve(args: argparse.Namespace) -> int:
     if args.worker_rank > 0:
         return serve_worker(args)
+    if args.prepare_only:
+        return serve_prepared(args)
     # Bind first: a port in use is reported before minutes of loading.
     state = State(args.served_model_name or os.path.basename(os.path.normpath(args.model)))
     try:
-        server = EngineServer((args.host, args.port), state)
+        server = EngineServer((args.host, args.port), state, reuse_port=args.reuse_port)
     except OSError as e:
         log(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
         return 98 if e.errno == 98 else 1
@@ -393,10 +409,14 @@ def _make_engine(args):
     return Engine(opts)
 
 
-def _start_engine(engine, args) -> None:
-    """Start with weights from disk or from the weight cache."""
+def _start_engine(engine, args, gate=None) -> None:
+    """Start with weights from disk or from the weight cache; `gate`, when
+    given, runs between preparing and activating (an overlapped restart)."""
     if args.load_format != "ipc_cache":
-        engine.start()
+        engine.prepare()
+        if gate:
+            gate()
+        engine.activate()
         return
     from restartkit.weightcache.daemon import device_uuid
     from restartkit.weightcache.fingerprint import fingerprint
@@ -413,10 +433,78 @@ def _start_engine(engine, args) -> None:
                          quantization=o.quantization, revision=args.revision)
         attach(engine, args.ipc, uuid, fp)
 
-    engine.start(weights=weights)
+    engine.prepare(weights=weights)
+    if gate:
+        gate()
+    engine.activate()
 
 
-def _load(args, state: State, outcome: dict) -> None:
+def _write_status(path: str | None, **data) -> None:
+    if path:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"pid": os.getpid(), "at": time.time(), **data}, f)
+        os.replace(tmp, path)
+
+
+def serve_prepared(args: argparse.Namespace) -> int:
+    """The new engine of an overlapped restart.  It serves on a private
+    loopback port at once (so its supervisor can check it alone), prepares
+    while the old engine still serves, waits for SIGUSR1 (with a deadline),
+    activates, and only then binds the public port beside the old engine
+    (SO_REUSEPORT).  Stop signals work at every step."""
+    state = State(args.served_model_name or os.path.basename(os.path.normpath(args.model)))
+    state.prepared_mode = True
+    private = EngineServer(("127.0.0.1", 0), state)
+    admin_port = private.server_address[1]
+    signals = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    threading.Thread(target=private.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
+    _write_status(args.status_file, state="preparing", admin_port=admin_port)
+    log(f"preparing (private port {admin_port}); the public port {args.port} is taken on activation")
+    outcome: dict = {}
+    activate = threading.Event()
+
+    def gate():
+        _write_status(args.status_file, state="prepared", admin_port=admin_port, phases=state.phases)
+        log("prepared; waiting for SIGUSR1 to activate")
+        if not activate.wait(args.activate_timeout):
+            raise TimeoutError(f"not activated within {args.activate_timeout:.0f} s")
+
+    threading.Thread(target=_load, args=(args, state, outcome, gate), daemon=True).start()
+    public = None
+    while True:
+        info = signal.sigtimedwait(signals, 0.1)
+        signo = info.si_signo if info is not None and info.si_signo in signals else None
+        if signo == signal.SIGUSR1:
+            activate.set()
+        elif signo is not None:
+            break
+        if "error" in outcome:
+            log(f"start failed: {outcome['error']}")
+            _write_status(args.status_file, state="failed", admin_port=admin_port, error=outcome["error"])
+            return 1
+        if state.ready and public is None:
+            try:
+                public = EngineServer((args.host, args.port), state, reuse_port=True)
+            except OSError as e:
+                _write_status(args.status_file, state="failed", admin_port=admin_port,
+                              error=f"cannot listen on {args.host}:{args.port}: {e.strerror}")
+                return 98
+            threading.Thread(target=public.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
+            _write_status(args.status_file, state="ready", admin_port=admin_port, phases=state.phases)
+            log(f"active: listening on http://{args.host}:{args.port} too")
+    log(f"received {signal.Signals(signo).name}; finishing in-flight requests")
+    state.ready = False
+    for srv in (public, private):
+        if srv is not None:
+            srv.shutdown()
+            srv.server_close()
+    log("stopped")
+    return 0
+
+
+def _load(args, state: State, outcome: dict, gate=None) -> None:
     try:
         state.phases["process_start"] = round(_since_exec(), 4)
         t0 = time.perf_counter()
@@ -428,7 +516,7 @@ def _load(args, state: State, outcome: dict) -> None:
 
         engine = _make_engine(args)
         state.tokenizer = Tokenizer.from_file(os.path.join(args.model, "tokenizer.json"))
-        _start_engine(engine, args)
+        _start_engine(engine, args, gate)
     except Exception as e:
         outcome["error"] = f"{type(e).__name__}: {e}"
         return

@@ -1,0 +1,157 @@
+"""Overlapped restart: prepare the new engine while the old one serves.
+
+The new engine starts in prepare-only mode: process start, imports, device
+context, weights attached from the weight cache, model built, on a private
+loopback port.  Then it is activated (KV cache, warm-up, graph capture) and
+takes the public port beside the old engine (SO_REUSEPORT: the kernel hands
+new connections to both, so the port is never closed); it is checked alone on
+its private port (a real completion and the canary); only then is the old
+engine drained and stopped.  Any failure before that leaves the old engine
+serving and says why.
+
+Why SO_REUSEPORT rather than passing the listening socket from restartkit:
+restartkit is not a long-lived parent of the engine, and a socket passed at
+start would have to be owned by someone between restarts; with SO_REUSEPORT
+each engine owns its socket and the port stays open throughout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+from restartkit import http
+from restartkit.memory import free_memory
+from restartkit.strategies.base import Outcome
+from restartkit.supervise import ProcState
+
+
+def _status(path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _wait_state(path, proc, wanted: str, deadline_s: float) -> dict:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        st = _status(path)
+        if st.get("state") == wanted:
+            return st
+        if st.get("state") == "failed":
+            raise RuntimeError(st.get("error", "the new engine failed"))
+        if not proc.alive():
+            raise RuntimeError(f"the new engine exited (code {proc.returncode()}) before it was {wanted}")
+        time.sleep(0.05)
+    raise RuntimeError(f"the new engine was not {wanted} within {deadline_s:.0f} s")
+
+
+def overlapped_ipc(service, facts, strategy_name: str = "ipc") -> Outcome:
+    pol = service.policy
+    phases: dict[str, float] = {}
+    out = Outcome(strategy_name, ok=False, phases=phases, proof={"overlap": True})
+    old = service.current()
+    stats = facts.service.extra.get("engine_stats") or {}
+    if old is None or not stats.get("reuse_port"):
+        out.error = "the running engine was not started with SO_REUSEPORT ([restart] overlap = true): restart it once first"
+        out.old_still_serving = old is not None
+        return out
+    kv = stats.get("kv_cache_bytes") or 0
+    free = free_memory(pol.service["device"])
+    out.proof["memory"] = {"free": free, "new_kv_cache": kv}
+    if free is not None and free < kv:
+        out.error = (f"{free / 1e9:.2f} GB free cannot hold a second KV cache of {kv / 1e9:.2f} GB: "
+                     "the old engine's KV cache would have to go first, which is a plain restart")
+        out.old_still_serving = True
+        return out
+    status_path = service.state_dir / "overlap-status.json"
+    status_path.unlink(missing_ok=True)
+    args = service.adapter.ipc_args(pol) + ["--prepare-only", "--status-file", str(status_path)]
+    t0 = time.monotonic()
+    new, log_offset = service.spawn("ipc-overlap", args)
+    deadline = pol.restart["start_timeout_s"]
+    try:
+        st = _wait_state(status_path, new, "prepared", deadline)
+        phases["prepare"] = round(time.monotonic() - t0, 4)
+        t1 = time.monotonic()
+        os.kill(new.pid, signal.SIGUSR1)
+        st = _wait_state(status_path, new, "ready", deadline)
+        phases["activate"] = round(time.monotonic() - t1, 4)
+        private = f"http://127.0.0.1:{st['admin_port']}"
+        new_stats = http.get(private + "/admin/stats", timeout=10)
+        load = new_stats.get("load") or {}
+        out.proof.update(ipc=load.get("ipc"), mode=load.get("mode"), attach_s=load.get("attach_s"),
+                         new_pid=new.pid, old_pid=old.pid, private_port=st["admin_port"])
+        if load.get("ipc") != "hit":
+            raise RuntimeError(f"the new engine did not attach from the weight cache: {load.get('ipc')}({load.get('fallback_reason')})")
+        out.proof["new_engine_canary"] = _canary_at(service, private)
+    except Exception as e:
+        new.stop(timeout_s=5)
+        out.error = f"the new engine failed before the old one was stopped: {e}"
+        out.old_still_serving = True
+        return out
+    t2 = time.monotonic()
+    how = service.stop()  # SIGTERM: the old engine finishes what it is answering, closes its listener
+    phases["stop_old"] = round(time.monotonic() - t2, 4)
+    out.proof["old_stop"] = how
+    new.to(ProcState.READY)
+    service.mark_ready(new, "ipc-overlap")
+    out.engine_phases = new_stats.get("phases", {})
+    phases["start_to_ready"] = round(time.monotonic() - t0, 4)
+    out.ok = True
+    return out
+
+
+def _canary_at(service, base: str) -> list[list[int]]:
+    r = service.policy.restart
+    body = lambda p: {"model": service.adapter.served_name(service.policy), "prompt": p,  # noqa: E731
+                      "max_tokens": r["canary_max_tokens"], "temperature": 0.0}
+    return [http.post(base + "/v1/completions", body(p), timeout=60)["choices"][0]["token_ids"] for p in r["canary_prompts"]]
+
+
+class DowntimeProbe:
+    """A client hammering the service through a restart: the longest gap
+    between two answered requests is the downtime as users see it."""
+
+    def __init__(self, service, interval_s: float = 0.02, timeout_s: float = 2.0):
+        self.service, self.interval, self.timeout = service, interval_s, timeout_s
+        self.events: list[tuple[float, bool, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        time.sleep(0.3)  # a tail of answers after the restart
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self):
+        url = self.service.adapter.base_url(self.service.policy) + "/v1/completions"
+        body = {"model": self.service.adapter.served_name(self.service.policy), "prompt": "ping", "max_tokens": 1,
+                "temperature": 0.0}
+        while not self._stop.is_set():
+            t = time.monotonic()
+            try:
+                http.post(url, body, timeout=self.timeout)
+                self.events.append((t, True, ""))
+            except http.HTTPFailure as e:
+                self.events.append((t, False, str(e.status or "connection")))
+            time.sleep(self.interval)
+
+    def summary(self) -> dict:
+        ok = [t for t, good, _ in self.events if good]
+        gaps = [b - a for a, b in zip(ok, ok[1:])]
+        errors: dict[str, int] = {}
+        for _, good, kind in self.events:
+            if not good:
+                errors[kind] = errors.get(kind, 0) + 1
+        return {"requests": len(self.events), "answered": len(ok), "failed": errors,
+                "downtime_s": round(max(gaps), 4) if gaps else None}
+
+
