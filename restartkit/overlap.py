@@ -78,7 +78,7 @@ def overlapped_ipc(service, facts, strategy_name: str = "ipc") -> Outcome:
         phases["prepare"] = round(time.monotonic() - t0, 4)
         t1 = time.monotonic()
         os.kill(new.pid, signal.SIGUSR1)
-        st = _wait_state(status_path, new, "ready", deadline)
+        st = _wait_state(status_path, new, "active", deadline)
         phases["activate"] = round(time.monotonic() - t1, 4)
         private = f"http://127.0.0.1:{st['admin_port']}"
         new_stats = http.get(private + "/admin/stats", timeout=10)
@@ -87,7 +87,10 @@ def overlapped_ipc(service, facts, strategy_name: str = "ipc") -> Outcome:
                          new_pid=new.pid, old_pid=old.pid, private_port=st["admin_port"])
         if load.get("ipc") != "hit":
             raise RuntimeError(f"the new engine did not attach from the weight cache: {load.get('ipc')}({load.get('fallback_reason')})")
+        # checked alone, before it takes a single public request
         out.proof["new_engine_canary"] = _canary_at(service, private)
+        os.kill(new.pid, signal.SIGUSR2)
+        _wait_state(status_path, new, "ready", 30)
     except Exception as e:
         new.stop(timeout_s=5)
         out.error = f"the new engine failed before the old one was stopped: {e}"
@@ -122,12 +125,16 @@ class DowntimeProbe:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self):
+    def start(self) -> None:
+        self.started_at = time.monotonic()  # the service answered just before: the baseline canary
         self._thread.start()
-        return self
 
-    def __exit__(self, *exc):
-        time.sleep(0.3)  # a tail of answers after the restart
+    def stop(self) -> None:
+        """Idempotent; waits for a short tail of answers after the restart."""
+        if self._stop.is_set() or not self._thread.is_alive():
+            self._stop.set()
+            return
+        time.sleep(0.3)
         self._stop.set()
         self._thread.join(5)
 
@@ -145,13 +152,17 @@ class DowntimeProbe:
             time.sleep(self.interval)
 
     def summary(self) -> dict:
-        ok = [t for t, good, _ in self.events if good]
+        ok = [getattr(self, "started_at", None)] + [t for t, good, _ in self.events if good]
+        ok = [t for t in ok if t is not None]
         gaps = [b - a for a, b in zip(ok, ok[1:])]
+        worst = max(range(len(gaps)), key=gaps.__getitem__) if gaps else None
         errors: dict[str, int] = {}
         for _, good, kind in self.events:
             if not good:
                 errors[kind] = errors.get(kind, 0) + 1
-        return {"requests": len(self.events), "answered": len(ok), "failed": errors,
-                "downtime_s": round(max(gaps), 4) if gaps else None}
+        base = getattr(self, "started_at", 0.0)
+        return {"requests": len(self.events), "answered": len(ok) - 1, "failed": errors,
+                "downtime_s": round(gaps[worst], 4) if gaps else None,
+                "gap_from_s": round(ok[worst] - base, 4) if gaps else None}
 
 

@@ -59,16 +59,18 @@ def restart(service: Service, requested: str = "auto", reason: str = "restart", 
     if facts.overlap and plan.attempt != "ipc":
         say(f"--overlap applies to ipc restarts only; this restart runs {plan.attempt} without it")
         facts.overlap = False
+    probe = None
     if facts.overlap or measure_downtime:
         from restartkit.overlap import DowntimeProbe
-        with DowntimeProbe(service) as probe:
-            rec = _restart(service, plan, facts, requested, reason, strict, say)
+        probe = DowntimeProbe(service)
+    rec = _restart(service, plan, facts, requested, reason, say, probe)
+    if probe is not None:
+        probe.stop()
         rec.downtime = probe.summary()
-        return _close(service, rec, strict)
-    return _close(service, _restart(service, plan, facts, requested, reason, strict, say), strict)
+    return _close(service, rec, strict)
 
 
-def _restart(service: Service, plan: Plan, facts: Facts, requested: str, reason: str, strict: bool, say) -> Record:
+def _restart(service: Service, plan: Plan, facts: Facts, requested: str, reason: str, say, probe=None) -> Record:
     rec = Record(service=service.policy.name, policy=service.policy.path, requested=requested,
                  reason=reason, plan=plan.to_dict())
     for note in plan.notes:
@@ -84,7 +86,10 @@ def _restart(service: Service, plan: Plan, facts: Facts, requested: str, reason:
     strategies = all_strategies()
     primary = plan.attempt
     say(f"running {primary}" + (f" (recovery: {plan.recovery})" if primary != plan.recovery else ""))
-    outcome = _attempt(strategies[primary], service, facts, baseline, rec, role="primary")
+    if probe is not None:
+        probe.start()  # after the baseline canary: the client measures the restart, not our own requests
+    outcome = _attempt(strategies[primary], service, facts, baseline, rec, role="primary",
+                       after_execute=probe.stop if probe is not None else None)
     if not outcome.ok and outcome.old_still_serving:
         rec.via_recovery = True
         rec.recovery_reason = f"{primary} failed before the old engine was stopped: {outcome.error}"
@@ -126,7 +131,7 @@ def _baseline(service: Service, facts: Facts, reason: str, say) -> tuple[list | 
     return tokens, source
 
 
-def _attempt(strategy, service: Service, facts: Facts, baseline, rec: Record, role: str) -> Outcome:
+def _attempt(strategy, service: Service, facts: Facts, baseline, rec: Record, role: str, after_execute=None) -> Outcome:
     try:
         outcome = strategy.execute(service, facts)
     except RestartkitError as e:
@@ -134,6 +139,8 @@ def _attempt(strategy, service: Service, facts: Facts, baseline, rec: Record, ro
                           detail={"hint": e.hint, "log_tail": getattr(e, "log_tail", "")})
     except Exception as e:  # recorded, then the recovery path runs
         outcome = Outcome(strategy.name, ok=False, error=f"{type(e).__name__}: {e}")
+    if after_execute is not None:
+        after_execute()
     if outcome.ok:
         _verify(service, outcome, baseline, facts.reason)
     entry = outcome.to_dict()

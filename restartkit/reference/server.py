@@ -313,7 +313,7 @@ def serve(args: argparse.Namespace) -> int:
     # Signals are blocked in every thread and taken by the main thread alone,
     # with sigtimedwait: handlers do nothing, the loop below acts.
     block_stop_signals()
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     log(f"listening on http://{args.host}:{server.server_address[1]} (loading {args.model})")
     workers = spawn_workers(args) if args.tensor_parallel_size > 1 else []
     outcome: dict = {}
@@ -336,13 +336,15 @@ def serve(args: argparse.Namespace) -> int:
             os._exit(1)  # rank 0 may be blocked in a collective with the dead rank
     log(f"received {signal.Signals(signo).name}; finishing in-flight requests")
     state.ready = False
+    # Close the listener first: connections queued on it would wait for
+    # nothing (with SO_REUSEPORT the other engine takes new ones at once).
     server.shutdown()
+    server.server_close()
     if state.engine is not None:
         with state.engine.lock:  # wait for the request in flight
             pass
         state.engine.shutdown_workers()
     _stop_workers(workers)
-    server.server_close()
     log("stopped")
     return 0
 
@@ -451,15 +453,16 @@ def serve_prepared(args: argparse.Namespace) -> int:
     """The new engine of an overlapped restart.  It serves on a private
     loopback port at once (so its supervisor can check it alone), prepares
     while the old engine still serves, waits for SIGUSR1 (with a deadline),
-    activates, and only then binds the public port beside the old engine
+    activates, waits for SIGUSR2 (the supervisor has checked it on the
+    private port), and only then binds the public port beside the old engine
     (SO_REUSEPORT).  Stop signals work at every step."""
     state = State(args.served_model_name or os.path.basename(os.path.normpath(args.model)))
     state.prepared_mode = True
     private = EngineServer(("127.0.0.1", 0), state)
     admin_port = private.server_address[1]
-    signals = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
+    signals = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2}
     signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    threading.Thread(target=private.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
+    threading.Thread(target=private.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     _write_status(args.status_file, state="preparing", admin_port=admin_port)
     log(f"preparing (private port {admin_port}); the public port {args.port} is taken on activation")
     outcome: dict = {}
@@ -472,26 +475,31 @@ def serve_prepared(args: argparse.Namespace) -> int:
             raise TimeoutError(f"not activated within {args.activate_timeout:.0f} s")
 
     threading.Thread(target=_load, args=(args, state, outcome, gate), daemon=True).start()
-    public = None
+    public, publish, announced = None, False, False
     while True:
-        info = signal.sigtimedwait(signals, 0.1)
+        info = signal.sigtimedwait(signals, 0.05)
         signo = info.si_signo if info is not None and info.si_signo in signals else None
         if signo == signal.SIGUSR1:
             activate.set()
+        elif signo == signal.SIGUSR2:
+            publish = True
         elif signo is not None:
             break
+        if state.ready and not announced:
+            _write_status(args.status_file, state="active", admin_port=admin_port, phases=state.phases)
+            announced = True
         if "error" in outcome:
             log(f"start failed: {outcome['error']}")
             _write_status(args.status_file, state="failed", admin_port=admin_port, error=outcome["error"])
             return 1
-        if state.ready and public is None:
+        if state.ready and publish and public is None:
             try:
                 public = EngineServer((args.host, args.port), state, reuse_port=True)
             except OSError as e:
                 _write_status(args.status_file, state="failed", admin_port=admin_port,
                               error=f"cannot listen on {args.host}:{args.port}: {e.strerror}")
                 return 98
-            threading.Thread(target=public.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
+            threading.Thread(target=public.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
             _write_status(args.status_file, state="ready", admin_port=admin_port, phases=state.phases)
             log(f"active: listening on http://{args.host}:{args.port} too")
     log(f"received {signal.Signals(signo).name}; finishing in-flight requests")
