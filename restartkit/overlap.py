@@ -149,6 +149,8 @@ class DowntimeProbe:
                 self.events.append((t, True, ""))
             except http.HTTPFailure as e:
                 self.events.append((t, False, str(e.status or "connection")))
+            except Exception as e:  # a connection cut mid-answer (IncompleteRead...): still a failed request
+                self.events.append((t, False, type(e).__name__))
             time.sleep(self.interval)
 
     def summary(self) -> dict:

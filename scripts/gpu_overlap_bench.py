@@ -85,7 +85,7 @@ def verdict(res: dict) -> str:
                      f"{json.dumps(d.get('failed') or {}):<22} {'same' if r['canary_identical'] else r['canary_identical']!s:<6}  "
                      + ", ".join(f"{k} {v:.2f}" for k, v in (r.get("phases") or {}).items())
                      + (f"  RECOVERED: {r['recovery_reason']}" if r["via_recovery"] else ""))
-    med = lambda xs: sorted(xs)[len(xs) // 2] if xs else None  # noqa: E731
+    med = lambda xs: sorted(x for x in xs if x is not None)[len([x for x in xs if x is not None]) // 2] if any(x is not None for x in xs) else None  # noqa: E731
     cold = med([r["downtime"]["downtime_s"] for r in res["runs"] if r["kind"] == "cold" and r.get("downtime")])
     ov = med([r["downtime"]["downtime_s"] for r in res["runs"] if r["kind"] == "ipc overlapped" and r.get("downtime")])
     if cold and ov:
