@@ -127,9 +127,15 @@ def plan(policy_path, strategy, reason, as_json):
 @friendly
 def restart(policy_path, strategy, reason, strict, overlap, measure_downtime, as_json):
     """Restart a service: plan, run the chosen strategy, prove it, recover on failure."""
+    restart_and_exit(policy_path, strategy, as_json, reason=reason, strict=strict, overlap=overlap,
+                     measure_downtime=measure_downtime)
+
+
+def restart_and_exit(policy_path, strategy: str, as_json: bool, reason: str = "restart", strict: bool = False,
+                     **options) -> None:
+    """Run one restart, print its record, exit with the record's code."""
     from restartkit.restart import restart as do_restart
-    svc = load(policy_path)
-    rec = do_restart(svc, strategy, reason, strict, say=say, overlap=overlap, measure_downtime=measure_downtime)
+    rec = do_restart(load(policy_path), strategy, reason, strict, say=say, **options)
     emit(rec.to_dict(), as_json, render_record(rec.to_dict()))
     sys.exit(rec.exit_code)
 
@@ -334,10 +340,7 @@ def sleep_cmd(policy_path, level, as_json):
 @friendly
 def wake_cmd(policy_path, as_json):
     """Wake a sleeping engine, prove it by the canary; on failure, recover with a cold start."""
-    from restartkit.restart import restart as do_restart
-    rec = do_restart(load(policy_path), "sleep", "restart", strict=False, say=say)
-    emit(rec.to_dict(), as_json, render_record(rec.to_dict()))
-    sys.exit(rec.exit_code)
+    restart_and_exit(policy_path, "sleep", as_json)
 
 
 # ---- snapshots -----------------------------------------------------------------------
@@ -385,10 +388,7 @@ def snapshot_create(policy_path, stop_engine, as_json):
 @friendly
 def snapshot_restore(policy_path, as_json):
     """Restore the current snapshot as the engine: the criu strategy, with its recovery path."""
-    from restartkit.restart import restart as do_restart
-    rec = do_restart(load(policy_path), "criu", "restart", strict=False, say=say)
-    emit(rec.to_dict(), as_json, render_record(rec.to_dict()))
-    sys.exit(rec.exit_code)
+    restart_and_exit(policy_path, "criu", as_json)
 
 
 @snapshot.command("list")

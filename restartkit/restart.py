@@ -46,9 +46,21 @@ def snapshot_facts(service: Service, facts: Facts) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+OVERLAP_SUPPORT = {
+    "reference": None,
+    "vllm": "vLLM's own interfaces have no prepare/activate split (its engine takes the device and the port as it starts)",
+    "sglang": "SGLang's interfaces have no prepare/activate split",
+}
+
+
 def plan_for(service: Service, requested: str, reason: str) -> tuple[Plan, Facts]:
     facts = gather_facts(service, reason)
-    return make_plan(facts, service.policy, requested, all_strategies()), facts
+    plan = make_plan(facts, service.policy, requested, all_strategies())
+    if service.policy.restart["overlap"]:
+        why_not = OVERLAP_SUPPORT.get(service.policy.service["engine"], "not supported by this engine adapter")
+        plan.notes.append("overlap: ipc restarts prepare the new engine beside the old one" if why_not is None
+                          else f"overlap is on but does not apply: {why_not}")
+    return plan, facts
 
 
 def restart(service: Service, requested: str = "auto", reason: str = "restart", strict: bool = False,
