@@ -266,6 +266,20 @@ def preload(policy_path, detach, wait_ready, **flags):
     sys.exit(preload_command(policy_path, flags, detach=detach, wait_ready=wait_ready, say=click.echo))
 
 
+@main.command()
+@policy_option
+@json_option
+@state_dir_option
+@friendly
+def rollout(policy_path, as_json):
+    """Put a service on its weight cache: cache first, then an ipc restart with fallback off, then the policy's own."""
+    from restartkit.rollout import rollout as do_rollout
+    recs = do_rollout(load(policy_path), say)
+    emit({"records": [r.to_dict() for r in recs]}, as_json, "\n".join(render_record(r.to_dict()) for r in recs))
+    last = recs[-1]
+    sys.exit(last.exit_code if len(recs) == 2 else max(last.exit_code, 1))
+
+
 @main.group()
 def weightcache():
     """Ask or tell the weight-cache daemons of a service."""

@@ -130,6 +130,8 @@ class Policy:
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __getattr__(self, name):  # policy.service, policy.restart, ...
+        if name.startswith("__") or name == "sections":
+            raise AttributeError(name)
         try:
             return _Section(self.sections[name])
         except KeyError:

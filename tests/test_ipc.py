@@ -287,3 +287,18 @@ def test_draft_model_gets_its_own_sockets(make_policy, sockdir, preloads, tiny_m
     start_preload(policy, preloads)
     names = sorted(p.name for p in sockdir.iterdir() if p.suffix == ".sock")
     assert len(names) == 2 and names[1].endswith("_draft.sock")
+
+
+def test_rollout_starts_the_cache_and_proves_it(make_policy, sockdir, service_cleanup):
+    policy = ipc_policy(make_policy, sockdir)  # the policy itself allows fallback
+    service_cleanup(policy)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    try:
+        r = run_cli("rollout", "--policy", policy, "--json")
+        assert r.returncode == 0, r.stdout + r.stderr
+        recs = json.loads(r.stdout)["records"]
+        assert [rec["served_by"] for rec in recs] == ["ipc", "ipc"]
+        assert all(rec["attempts"][0]["proof"]["ipc"] == "hit" and rec["proof"]["canary_identical"] for rec in recs)
+        assert "started the weight cache" in r.stderr
+    finally:
+        run_cli("weightcache", "release", "--policy", policy, "--stop", "--force")

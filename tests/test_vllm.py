@@ -131,3 +131,16 @@ def test_vllm_launch_and_features():
     if HAVE_VLLM:
         problems = a.feature_problems(cpu)
         assert "CPU" in problems["ipc"] and "CPU" in problems["sleep"]
+
+
+def test_rollout_builds_vllm_preload_with_the_policy_layout():
+    from restartkit.policy import parse_policy
+    from restartkit.rollout import vllm_preload_argv
+    p = parse_policy({"service": {"name": "v", "engine": "vllm", "model": "org/m", "device": "cuda",
+                                  "tensor_parallel_size": 4, "revision": "ab" * 20},
+                      "ipc": {"health_port": 8099}})
+    argv = vllm_preload_argv(p)
+    assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "preload", "--model"]
+    i = argv.index("--weight-cache-health-host")
+    assert argv[i + 1] == "127.0.0.1" and argv[argv.index("--weight-cache-health-port") + 1] == "8099"
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "4" and "--revision" in argv

@@ -1,0 +1,86 @@
+"""`restartkit rollout`: bring a service onto its weight cache, proving it.
+
+1. the weight cache first: started (detached) unless it already serves;
+2. an ipc restart with fallback off: the engine must attach from the cache
+   on every rank, or that restart fails and recovers cold — a silent disk
+   load cannot pass for a working cache;
+3. an ipc restart with the policy's own fallback setting, which is how the
+   service runs from then on.
+"""
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import time
+
+from restartkit import http
+from restartkit.errors import StrategyError
+from restartkit.policy import Policy
+from restartkit.restart import restart
+from restartkit.service import Service
+
+
+def vllm_preload_argv(policy) -> list[str]:
+    """`vllm preload` for the policy's model and layout, health on loopback."""
+    s, i = policy.service, policy.ipc
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "preload", "--model", s["model"],
+            "--tensor-parallel-size", str(s["tensor_parallel_size"]),
+            "--weight-cache-health-host", i["health_host"], "--weight-cache-health-port", str(i["health_port"])]
+    if s["revision"]:
+        argv += ["--revision", s["revision"]]
+    if s["data_parallel_size"] > 1:
+        argv += ["--data-parallel-size", str(s["data_parallel_size"])]
+    if s["expert_parallel"]:
+        argv.append("--enable-expert-parallel")
+    return argv
+
+
+def ensure_cache(service: Service, say) -> str:
+    pol = service.policy
+    if pol.service["engine"] == "reference":
+        from restartkit.weightcache.client import daemon_stats
+        if all(d.get("state") == "ready" for d in daemon_stats(pol)):
+            return "the weight cache was already serving"
+        from restartkit.demo import _no_flags
+        from restartkit.weightcache.prelaunch import preload_command
+        rc = preload_command(pol.path, _no_flags(), detach=True, wait_ready=False, say=say)
+        if rc:
+            raise StrategyError(f"the weight cache did not start (exit {rc})", hint=f"see {service.state_dir}/weightcache.log")
+        return "started the weight cache"
+    if pol.service["engine"] == "vllm":
+        i = pol.ipc
+        if not i["health_port"]:
+            raise StrategyError("set [ipc] health_port: rollout starts `vllm preload` and waits on its health endpoint")
+        url = f"http://{i['health_host']}:{i['health_port']}/health"
+        try:
+            http.get(url, timeout=3)
+            return "vllm preload was already serving"
+        except http.HTTPFailure:
+            pass
+        service.ensure_state_dir()
+        with open(service.state_dir / "vllm-preload.log", "ab") as log:
+            subprocess.Popen(vllm_preload_argv(pol), stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + i["startup_timeout_s"]
+        while time.monotonic() < deadline:
+            try:
+                http.get(url, timeout=3)
+                return "started vllm preload"
+            except http.HTTPFailure:
+                time.sleep(1)
+        raise StrategyError(f"vllm preload was not healthy at {url} within {i['startup_timeout_s']:.0f} s",
+                            hint=f"see {service.state_dir}/vllm-preload.log")
+    raise StrategyError(f"rollout does not know how to start the {pol.service['engine']} weight cache")
+
+
+def rollout(service: Service, say) -> list:
+    say(ensure_cache(service, say))
+    strict = Policy(path=service.policy.path, sections=copy.deepcopy(service.policy.sections))
+    strict.sections["ipc"]["fallback"] = False
+    say("restart 1/2: ipc with fallback off (the cache must really serve)")
+    first = restart(Service(strict), "ipc", "restart", strict=True, say=say)
+    if first.served_by != "ipc" or first.via_recovery:
+        say("the cache did not serve: the service runs on its recovery path; the policy's own setting is not rolled out")
+        return [first]
+    say(f"restart 2/2: ipc with the policy's own setting (fallback = {str(service.policy.ipc['fallback']).lower()})")
+    return [first, restart(service, "ipc", "restart", strict=True, say=say)]
