@@ -62,9 +62,18 @@ class State:
         self.started_at = time.time()
         self.ready_at: float | None = None
         self.requests = 0
+        self.inflight = 0  # requests between being read and their answer written
+        self.inflight_lock = threading.Lock()
         self.sleeper = None  # set when the engine runs with --enable-sleep-mode
         self.prepared_mode = False
         self.sleep_public = False
+
+    def drain(self, deadline_s: float = 30.0) -> int:
+        """Wait until every request in flight has its answer written; returns how many were left."""
+        end = time.monotonic() + deadline_s
+        while self.inflight and time.monotonic() < end:
+            time.sleep(0.005)
+        return self.inflight
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -103,7 +112,26 @@ class Handler(BaseHTTPRequestHandler):
         return body
 
     # ---- routes -------------------------------------------------------------
+    def _counted(self, handler) -> None:
+        # From the parsed request to the last byte of its answer (an idle
+        # keep-alive connection does not count), so a stopping engine answers
+        # everything it accepted before it exits.
+        st = self.server.state
+        with st.inflight_lock:
+            st.inflight += 1
+        try:
+            handler()
+        finally:
+            with st.inflight_lock:
+                st.inflight -= 1
+
     def do_GET(self):
+        self._counted(self._get)
+
+    def do_POST(self):
+        self._counted(self._post)
+
+    def _get(self):
         path = urlparse(self.path).path
         st = self.server.state
         if path == "/health":
@@ -126,7 +154,7 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._error(404, f"no route {path}")
 
-    def do_POST(self):
+    def _post(self):
         parsed = urlparse(self.path)
         path, query = parsed.path, parse_qs(parsed.query)
         body = self._body()
@@ -340,12 +368,11 @@ def serve(args: argparse.Namespace) -> int:
     # nothing (with SO_REUSEPORT the other engine takes new ones at once).
     server.shutdown()
     server.server_close()
+    left = state.drain()
     if state.engine is not None:
-        with state.engine.lock:  # wait for the request in flight
-            pass
         state.engine.shutdown_workers()
     _stop_workers(workers)
-    log("stopped")
+    log("stopped" + (f" ({left} requests still in flight after 30 s)" if left else ""))
     return 0
 
 
@@ -508,6 +535,7 @@ def serve_prepared(args: argparse.Namespace) -> int:
         if srv is not None:
             srv.shutdown()
             srv.server_close()
+    state.drain()
     log("stopped")
     return 0
 
