@@ -1,6 +1,7 @@
 """A real reference engine, restarted cold through the CLI: records, proof,
 exit codes, and the errors a user meets (port in use, missing model, a crash)."""
 import json
+from pathlib import Path
 import socket
 import time
 
@@ -137,6 +138,7 @@ def test_help_is_fast_and_does_not_import_torch():
            "print('TORCH' if 'torch' in sys.modules else 'NOTORCH', time.perf_counter()-t, file=sys.stderr)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert "NOTORCH" in r.stderr, r.stderr
-    for cmd in (["facts", "--json"], ["plan", "--help"]):
-        out = subprocess.run([sys.executable, "-X", "importtime", "-m", "restartkit.cli", *cmd], capture_output=True, text=True)
+    for cmd in (["facts", "--json"], ["plan", "--help"], ["plan", "--policy", "policies/demo.toml", "--json"]):
+        out = subprocess.run([sys.executable, "-X", "importtime", "-m", "restartkit.cli", *cmd], capture_output=True,
+                             text=True, cwd=str(Path(__file__).resolve().parent.parent))
         assert " torch\n" not in out.stderr and "| torch\n" not in out.stderr, cmd

@@ -19,10 +19,10 @@ from typing import Callable, Iterator
 import torch
 
 from restartkit.errors import UsageError
+from restartkit.reference.layout import INDEX, shard_files  # noqa: F401  (torch-free, re-exported)
 from restartkit.reference.model import ModelConfig, init_std
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-INDEX = "model.safetensors.index.json"
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 
@@ -211,18 +211,6 @@ def write_tokenizer(out: Path, cfg: ModelConfig) -> None:
 
 
 # ---- reading ------------------------------------------------------------------
-
-def shard_files(model_dir: str | Path) -> list[Path]:
-    model_dir = Path(model_dir)
-    index = model_dir / INDEX
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / n for n in names]
-    single = model_dir / "model.safetensors"
-    if single.exists():
-        return [single]
-    return sorted(model_dir.glob("*.safetensors"))
-
 
 def iter_checkpoint(model_dir: str | Path, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors.torch import load_file

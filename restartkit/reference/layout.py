@@ -1,7 +1,23 @@
 """Torch-free checks of a checkpoint directory (the CLI's fast path uses them)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+INDEX = "model.safetensors.index.json"
+
+
+def shard_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's safetensors files, in index order."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    return sorted(model_dir.glob("*.safetensors"))
 
 
 def model_dir_ok(path: str) -> str | None:
