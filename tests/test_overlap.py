@@ -26,13 +26,15 @@ def overlap_service(make_policy, tmp_path, service_cleanup):
     policy.write_text(policy.read_text().replace("[restart]\n", "[restart]\noverlap = true\n"))
     launcher = subprocess.Popen([sys.executable, "-m", "restartkit.cli", "preload", "--policy", str(policy)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-    assert run_cli("preload", "--policy", policy, "--wait-ready", "--startup-timeout", "60").returncode == 0
-    service_cleanup(policy)
-    assert run_cli("start", "--policy", policy).returncode == 0
-    yield policy, launcher
-    if launcher.poll() is None:
-        launcher.send_signal(signal.SIGTERM)
-        launcher.wait(15)
+    try:  # the launcher goes whatever happens, a failed setup included
+        assert run_cli("preload", "--policy", policy, "--wait-ready", "--startup-timeout", "60").returncode == 0
+        service_cleanup(policy)
+        assert run_cli("start", "--policy", policy).returncode == 0
+        yield policy, launcher
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGTERM)
+            launcher.wait(15)
 
 
 class Hammer(threading.Thread):
