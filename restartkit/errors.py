@@ -42,9 +42,5 @@ class EngineStartError(RestartkitError):
         self.log_tail = log_tail
 
 
-class ProofError(RestartkitError):
-    """The restart happened but could not be proven (canary differs, no IPC hit)."""
-
-
 class StrategyError(RestartkitError):
     """A strategy's execute step failed; the restart goes to its recovery path."""

@@ -13,15 +13,13 @@ and image bytes at most 1.1 x (weights + the engine's host memory).
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_ipc_bench import cli, drop_page_cache, engine_stats, restart  # noqa: E402
+from gpu_ipc_bench import bench_setup, cli, drop_page_cache, engine_stats, restart  # noqa: E402
 
 
 def read_bandwidth(path: Path) -> tuple[float, int]:
@@ -36,21 +34,8 @@ def read_bandwidth(path: Path) -> tuple[float, int]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
-    p.add_argument("--work", default="/tmp/rk-criu")
-    p.add_argument("--preset", default="8b-shape")
-    p.add_argument("--model", default=None, help="reuse a checkpoint directory")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--port", type=int, default=8500)
-    args = p.parse_args()
-    out, work = Path(args.out), Path(args.work)
-    out.mkdir(parents=True, exist_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
+    args, out, work, model = bench_setup("/tmp/rk-criu", 8500)
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    model = Path(args.model) if args.model else work / "models" / args.preset
-    if not (model / "config.json").exists():
-        cli("model", "create", "--preset", args.preset, "--out", model, "--device", args.device)
     pol = work / "ref-criu.toml"
     pol.write_text(f"""
 [service]

@@ -32,6 +32,27 @@ def cli(*args, check=True, timeout=900) -> subprocess.CompletedProcess:
     return r
 
 
+def bench_setup(default_work: str, default_port: int, extra=lambda p: None):
+    """The arguments every single-service GPU script takes, and its work dirs and model
+    (created with `restartkit model create` unless --model names one)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    p.add_argument("--work", default=default_work)
+    p.add_argument("--preset", default="8b-shape")
+    p.add_argument("--model", default=None, help="reuse a checkpoint directory")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--port", type=int, default=default_port)
+    extra(p)
+    args = p.parse_args()
+    out, work = Path(args.out), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    model = Path(args.model) if args.model else work / "models" / args.preset
+    if not (model / "config.json").exists():
+        cli("model", "create", "--preset", args.preset, "--out", model, "--device", args.device)
+    return args, out, work, model
+
+
 def policy(work: Path, name: str, model: Path, device: str, tp: int, port: int) -> Path:
     p = work / f"{name}.toml"
     p.write_text(f"""

@@ -10,32 +10,17 @@ Target: level-1 wake at >= 45 GB/s.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_ipc_bench import cli  # noqa: E402
+from gpu_ipc_bench import bench_setup, cli  # noqa: E402
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
-    p.add_argument("--work", default="/tmp/rk-sleep")
-    p.add_argument("--preset", default="8b-shape")
-    p.add_argument("--model", default=None)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--port", type=int, default=8600)
-    args = p.parse_args()
-    out, work = Path(args.out), Path(args.work)
-    out.mkdir(parents=True, exist_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
-    model = Path(args.model) if args.model else work / "models" / args.preset
-    if not (model / "config.json").exists():
-        cli("model", "create", "--preset", args.preset, "--out", model, "--device", args.device)
+    args, out, work, model = bench_setup("/tmp/rk-sleep", 8600)
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "runs": []}
     for level in (1, 2):
         pol = work / f"sleep-l{level}.toml"
