@@ -324,27 +324,28 @@ def weightcache_release(policy_path, force, stop_daemons, as_json):
 @friendly
 def sleep_cmd(policy_path, level, as_json):
     """Put the engine to sleep: park (1) or drop (2) its weights, free its KV cache."""
-    from restartkit import http
-    from restartkit.memory import process_memory
+    from restartkit.errors import EngineStartError, StrategyError
+    from restartkit.sleepcycle import Cycle, SleepCycleError
     svc = load(policy_path)
     proc = svc.current()
     if proc is None:
-        from restartkit.errors import EngineStartError
         raise EngineStartError(f"{svc.policy.name} is not running", hint=f"restartkit start --policy {svc.policy.path}")
-    level = level or svc.policy.sleep["level"]
-    device = svc.policy.service["device"]
-    before = process_memory(proc.pid, device)
+    state = svc.adapter.sleep_state(svc.policy, proc.pid)
+    if not state.get("enabled"):
+        raise StrategyError(f"{svc.policy.name} cannot sleep: {state.get('why')}")
+    if state.get("asleep"):
+        raise StrategyError(f"{svc.policy.name} is already asleep", hint=f"restartkit wake --policy {svc.policy.path}")
+    cycle = Cycle(svc, proc.pid, level or svc.policy.sleep["level"])
     try:
-        info = http.post(f"{svc.adapter.base_url(svc.policy)}/sleep?level={level}", timeout=300)
-    except http.HTTPFailure as e:
-        from restartkit.errors import StrategyError
-        raise StrategyError(f"the engine refused to sleep: {e.message}",
-                            hint="is sleep mode on? set [sleep] enabled = true and restart once") from None
-    after = process_memory(proc.pid, device)
-    data = {**info, "memory_before": before, "memory_asleep": after}
-    freed = (before or 0) - (after or 0)
-    emit(data, as_json, f"{svc.policy.name} asleep at level {level}; the process freed {freed / 1e6:.1f} MB "
-         f"({'device memory' if device == 'cuda' else 'resident memory'})")
+        cycle.sleep()
+    except SleepCycleError as e:
+        raise StrategyError(e.message, hint=f"the engine may be half asleep: restartkit wake --policy {svc.policy.path} "
+                                            "wakes it (or recovers with a cold start)") from None
+    p = cycle.proof
+    data = {**p["sleep_answer"], **{k: v for k, v in p.items() if k != "sleep_answer"}, "is_sleeping": True}
+    freed = p.get("freed_bytes") or 0
+    emit(data, as_json, f"{svc.policy.name} asleep at level {cycle.level}; the engine freed {freed / 1e6:.1f} MB "
+         f"({'device memory' if cycle.device == 'cuda' else 'resident memory'})")
 
 
 @main.command("wake")

@@ -56,6 +56,8 @@ OVERLAP_SUPPORT = {
 def plan_for(service: Service, requested: str, reason: str) -> tuple[Plan, Facts]:
     facts = gather_facts(service, reason)
     plan = make_plan(facts, service.policy, requested, all_strategies())
+    if service.adapter is not None:
+        plan.notes.extend(service.adapter.plan_notes(service.policy))
     if service.policy.restart["overlap"]:
         why_not = OVERLAP_SUPPORT.get(service.policy.service["engine"], "not supported by this engine adapter")
         plan.notes.append("overlap: ipc restarts prepare the new engine beside the old one" if why_not is None

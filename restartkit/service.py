@@ -96,6 +96,10 @@ class Service:
                 sf.extra["engine_stats"] = self.adapter.stats(self.policy)
             except Exception:
                 pass
+            try:
+                sf.extra["sleep_state"] = self.adapter.sleep_state(self.policy, proc.pid)
+            except Exception as e:
+                sf.extra["sleep_state"] = {"enabled": False, "why": f"could not ask the engine: {e}"}
         if not sf.model_problem and self.policy.service["engine"] == "reference":
             sf.extra["ipc"] = self.ipc_facts()
         return sf

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import time
 
-from restartkit import http
-from restartkit.memory import free_memory, process_memory
 from restartkit.strategies.base import BaseStrategy, Facts, Outcome, adapter_available
 
 SATISFIABLE = ("restart",)
@@ -26,18 +24,15 @@ def engine_supports_sleep(facts: Facts, policy) -> str | None:
     adapter = get_adapter(policy.service["engine"])[0]
     if adapter is None:
         return None
-    problem = adapter.feature_problems(policy).get("sleep", f"the {adapter.name} adapter cannot drive sleep mode")
-    if problem is None and policy.service["engine"] != "reference":
-        return (f"sleep cycles of {adapter.name} are not driven by restartkit yet "
-                "(its endpoints are known; this path was never run against a GPU engine here)")
-    return problem
+    return adapter.feature_problems(policy).get("sleep", f"the {adapter.name} adapter cannot drive sleep mode")
 
 
 def engine_alive_with_sleep_mode(facts: Facts, policy) -> str | None:
     if not facts.service.engine_running:
         return "the engine is not running: a sleep cycle needs the live process"
-    if not (_stats(facts).get("sleep") or {}).get("enabled"):
-        return "the running engine was started without sleep mode: set [sleep] enabled = true and restart it once (cold)"
+    state = facts.service.extra.get("sleep_state") or {}
+    if not state.get("enabled"):
+        return state.get("why") or "the running engine runs without sleep mode (it does not report one)"
     return None
 
 
@@ -72,49 +67,27 @@ class SleepStrategy(BaseStrategy):
                      not_zero_copy_ipc, host_memory_for_level_1]
 
     def execute(self, service, facts: Facts) -> Outcome:
-        pol, level = service.policy, service.policy.sleep["level"]
-        device = pol.service["device"]
-        base = service.adapter.base_url(pol)
-        pid = facts.service.pid
-        stats = service.adapter.stats(pol)
-        footprint = (stats.get("weight_bytes") or 0) + (stats.get("kv_cache_bytes") or 0)
-        phases: dict[str, float] = {}
-        proof: dict = {"level": level, "device": device, "memory_before": process_memory(pid, device)}
-        out = Outcome(self.name, ok=False, phases=phases, proof=proof)
-        already = (stats.get("sleep") or {}).get("level", 0)
+        from restartkit.sleepcycle import Cycle, SleepCycleError
+        pol = service.policy
+        state = service.adapter.sleep_state(pol, facts.service.pid)
+        level = state.get("level") or pol.sleep["level"]
+        cycle = Cycle(service, facts.service.pid, level)
+        out = Outcome(self.name, ok=False, phases=cycle.phases, proof=cycle.proof)
         t0 = time.monotonic()
-        if not already:
-            answer = http.post(f"{base}/sleep?level={level}", timeout=300)
-            phases["sleep"] = round(time.monotonic() - t0, 4)
-            if not http.get(f"{base}/is_sleeping", timeout=10).get("is_sleeping"):
-                out.error = "the engine says it is not asleep after /sleep"
-                return out
-            proof["memory_asleep"] = process_memory(pid, device)
-            freed = (proof["memory_before"] or 0) - (proof["memory_asleep"] or 0)
-            proof["freed_bytes"], proof["expected_bytes"] = freed, answer.get("weight_bytes", 0) + answer.get("kv_cache_bytes", 0)
-            if proof["memory_before"] is not None and freed < pol.sleep["min_freed_fraction"] * proof["expected_bytes"]:
-                out.error = (f"sleep freed {freed / 1e6:.1f} MB of the process's memory, less than "
-                             f"{pol.sleep['min_freed_fraction']:.0%} of {proof['expected_bytes'] / 1e6:.1f} MB: memory was not released")
-                return out
-        else:
-            proof["note"] = f"the engine was already asleep (level {already}); waking it"
-            footprint = (stats.get("sleep", {}).get("last") or {}).get("weight_bytes", 0) + \
-                        (stats.get("sleep", {}).get("last") or {}).get("kv_cache_bytes", 0)
-        free = free_memory(device)
-        proof["free_before_wake"], proof["awake_footprint"] = free, footprint
-        if free is not None and free < footprint:
-            out.error = (f"only {free / 1e9:.2f} GB are free and waking needs {footprint / 1e9:.2f} GB: "
-                         "not waking into an out-of-memory")
-            return out
-        t1 = time.monotonic()
         try:
-            wake = http.post(f"{base}/wake_up", timeout=600)
-        except http.HTTPFailure as e:
-            out.error = f"wake failed: {e.message}"
+            if state.get("asleep"):
+                # a cycle that stopped half-way (or `restartkit sleep`): wake it, reloading when the level is unknown
+                cycle.proof["note"] = f"the engine was already asleep (level {state.get('level') or 'unknown'}); waking it"
+                if state.get("level") is None:
+                    cycle.level = 2
+                last = state.get("last") or {}
+                cycle.wake(footprint=(last.get("weight_bytes") or 0) + (last.get("kv_cache_bytes") or 0) or None)
+            else:
+                cycle.sleep()
+                cycle.wake()
+        except SleepCycleError as e:
+            out.error = e.message
             return out
-        phases["wake"] = round(time.monotonic() - t1, 4)
-        proof["wake"] = wake
-        proof["memory_after"] = process_memory(pid, device)
         out.ok = True
-        phases["start_to_ready"] = round(time.monotonic() - t0, 4)
+        cycle.phases["start_to_ready"] = round(time.monotonic() - t0, 4)
         return out

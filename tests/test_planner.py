@@ -99,10 +99,12 @@ def test_criu_missing_binary_names_the_installer():
 def test_sleep_cannot_apply_new_code_and_says_so():
     f = facts(reason="code")
     f.service.extra["engine_stats"] = {"sleep": {"enabled": True}, "weight_bytes": 10}
+    f.service.extra["sleep_state"] = {"enabled": True, "asleep": False}
     reasons = all_strategies()["sleep"].check(f, policy()).reasons
     assert reasons == ["the restart is for new code: a sleep cycle keeps the process, so it applies no new code, flags or weights"]
     f = facts(reason="restart", mem_available_bytes=5)
     f.service.extra["engine_stats"] = {"sleep": {"enabled": True}, "weight_bytes": 10,
                                        "load": {"source": "ipc", "mode": "zero_copy"}}
+    f.service.extra["sleep_state"] = {"enabled": True, "asleep": False}
     reasons = " | ".join(all_strategies()["sleep"].check(f, policy()).reasons)
     assert "zero_copy" in reasons and "level 1 parks" in reasons

@@ -38,8 +38,12 @@ def vllm_model(tmp_path_factory):
 
 @pytest.fixture
 def vllm_policy(make_policy, vllm_model, service_cleanup):
+    return _vllm_policy(make_policy, vllm_model, service_cleanup)
+
+
+def _vllm_policy(make_policy, vllm_model, service_cleanup, env=""):
     policy = make_policy(name="vllm", model=str(vllm_model), service_extra=(
-        'engine = "vllm"\ndtype = "float32"\nenv = { VLLM_CPU_KVCACHE_SPACE = "1" }\n'),
+        f'engine = "vllm"\ndtype = "float32"\nenv = {{ VLLM_CPU_KVCACHE_SPACE = "1"{env} }}\n'),
         extra="\n[criu]\npid_wait_s = 10.0\n")
     text = policy.read_text().replace('engine_args = ["--threads", "1"]', 'engine_args = ["--gpu-memory-utilization", "0.1"]')
     text = text.replace('engine = "reference"\n', "").replace("start_timeout_s = 60", "start_timeout_s = 300")
@@ -84,6 +88,41 @@ def test_vllm_cold_and_criu_restarts(vllm_policy):
         assert code == 0, rec
         assert rec["served_by"] == "criu" and rec["proof"]["canary_identical"] is True
         assert rec["time_to_ready_s"] < cold["time_to_ready_s"] / 2, (rec["time_to_ready_s"], cold["time_to_ready_s"])
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_sleep_cycle_speaks_vllms_http_interface(make_policy, vllm_model, service_cleanup):
+    """The whole cycle against a real vLLM server: sleep with an explicit level, /is_sleeping, wake
+    by tags, reload after level 2.  The CPU build serves these endpoints (VLLM_SERVER_DEV_MODE=1)
+    but its workers ignore sleep, so memory is never released: the check must catch that."""
+    from restartkit.cli import load
+    from restartkit.sleepcycle import Cycle, SleepCycleError
+    policy = _vllm_policy(make_policy, vllm_model, service_cleanup, env=', VLLM_SERVER_DEV_MODE = "1"')
+    assert run_cli("start", "--policy", policy, timeout=600).returncode == 0
+    svc = load(str(policy))
+    pid = svc.current().pid
+    before = svc.canary()
+    state = svc.adapter.sleep_state(svc.policy, pid)
+    assert not state["enabled"] and "--enable-sleep-mode" in state["why"]
+    # level 1: vLLM says sleeping, but nothing was freed -> a failed sleep, named as such
+    cycle = Cycle(svc, pid, 1)
+    with pytest.raises(SleepCycleError) as e:
+        cycle.sleep()
+    assert "memory was not released" in e.value.message
+    assert cycle.proof["sleep_answer"] == {"status": "sleeping", "level": 1}
+    assert svc.adapter.sleep_is_confirmed(svc.policy) is True
+    cycle.wake(footprint=0)
+    first, second = cycle.proof["wake_answers"]
+    assert first == {"status": "sleeping", "tags": ["weights"]}  # partial: the KV cache still sleeps
+    assert second == {"status": "awake", "tags": ["kv_cache"]}
+    assert svc.canary() == before
+    # level 2 (memory check off: the CPU frees nothing): weights, reload through /collective_rpc, KV cache
+    cycle = Cycle(svc, pid, 2)
+    assert cycle.sleep(verify_memory=False) == {"status": "sleeping", "level": 2}
+    cycle.wake(footprint=0)
+    assert "reload" in cycle.phases and svc.canary() == before
+    assert svc.adapter.sleep_is_confirmed(svc.policy) is False
 
 
 # ---- ipc and sleep, against vLLM's own words ---------------------------------------
@@ -144,3 +183,32 @@ def test_rollout_builds_vllm_preload_with_the_policy_layout():
     i = argv.index("--weight-cache-health-host")
     assert argv[i + 1] == "127.0.0.1" and argv[argv.index("--weight-cache-health-port") + 1] == "8099"
     assert argv[argv.index("--tensor-parallel-size") + 1] == "4" and "--revision" in argv
+
+
+def test_vllm_sleep_needs_dev_mode_on_loopback_and_says_what_it_costs():
+    from restartkit.engines.vllm import gpu_sleep_problem
+    from restartkit.policy import parse_policy
+
+    def pol(host, enabled=True):
+        return parse_policy({"service": {"name": "v", "engine": "vllm", "model": "org/m", "device": "cuda", "host": host},
+                             "sleep": {"enabled": enabled, "level": 2}})
+    assert gpu_sleep_problem(pol("127.0.0.1")) is None
+    assert "/collective_rpc" in gpu_sleep_problem(pol("0.0.0.0")) and "127.0.0.1" in gpu_sleep_problem(pol("0.0.0.0"))
+    assert "enabled = true" in gpu_sleep_problem(pol("127.0.0.1", enabled=False))
+    assert any("/collective_rpc" in n for n in VLLMAdapter().plan_notes(pol("127.0.0.1")))
+    a = VLLMAdapter()
+    assert a.sleep_needs_reload and a.can_confirm_sleep
+
+
+def test_sglang_adapter_says_it_is_unverified():
+    from restartkit.engines.sglang import SGLangAdapter
+    from restartkit.policy import parse_policy
+    p = parse_policy({"service": {"name": "s", "engine": "sglang", "model": "org/m", "device": "cuda"},
+                      "sleep": {"enabled": True, "level": 1}})
+    a = SGLangAdapter()
+    argv = a.launch(p).argv
+    assert argv[1:3] == ["-m", "sglang.launch_server"] and "--enable-memory-saver" in argv
+    assert "--enable-weights-cpu-backup" in argv  # level 1 keeps the weights in host memory
+    assert any("NOT run against a running SGLang" in n for n in a.plan_notes(p))
+    assert a.feature_problems(p)["sleep"] is None and "not verified" in a.feature_problems(p)["ipc"]
+    assert not a.can_confirm_sleep and a.sleep_needs_reload

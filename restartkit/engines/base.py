@@ -62,6 +62,10 @@ class EngineAdapter:
         """Why each optional feature (ipc, sleep) is not available with this engine here (None: available)."""
         return {}
 
+    def plan_notes(self, policy) -> list[str]:
+        """What `plan` should say about this engine beyond the strategies' reasons."""
+        return []
+
     def before_snapshot(self, policy) -> dict:
         """Shrink the process before a dump (e.g. free the KV cache); returns what it did."""
         return {}
@@ -72,6 +76,34 @@ class EngineAdapter:
 
     def served_name(self, policy) -> str:
         return policy.service["model"]
+
+    # ---- sleep mode: vLLM's HTTP interface, which the reference engine speaks too --------
+    sleep_needs_reload = False  # after level 2, must restartkit ask for the weights again?
+    can_confirm_sleep = True  # does the engine answer "are you asleep?"
+
+    def sleep_request(self, policy, level: int) -> dict:
+        return http.post(f"{self.base_url(policy)}/sleep?level={int(level)}", timeout=300)
+
+    def sleep_is_confirmed(self, policy) -> bool:
+        return bool(http.get(f"{self.base_url(policy)}/is_sleeping", timeout=10).get("is_sleeping"))
+
+    def wake_request(self, policy, tags: list[str]) -> dict:
+        query = "&".join(f"tags={t}" for t in tags)
+        return http.post(f"{self.base_url(policy)}/wake_up?{query}", timeout=600)
+
+    def wake_is_complete(self, answer: dict) -> bool:
+        return answer.get("status") == "awake"
+
+    def reload_weights(self, policy) -> None:
+        raise NotImplementedError(f"the {self.name} adapter has no weight reload")
+
+    def sleep_expected_bytes(self, policy, answer: dict) -> int | None:
+        """What a sleep should free from the engine's processes, if known."""
+        return None
+
+    def sleep_state(self, policy, pid: int | None) -> dict:
+        """{"enabled": bool, "asleep": bool | None, "level": int | None, "why": str} of the running engine."""
+        return {"enabled": False, "asleep": None, "level": None, "why": f"the {self.name} adapter has no sleep mode"}
 
 
 def python() -> str:

@@ -52,6 +52,20 @@ class ReferenceAdapter(EngineAdapter):
     def feature_problems(self, policy) -> dict[str, str | None]:
         return {"ipc": None, "sleep": None}
 
+    def sleep_expected_bytes(self, policy, answer: dict) -> int | None:
+        return answer.get("weight_bytes", 0) + answer.get("kv_cache_bytes", 0)
+
+    def sleep_state(self, policy, pid: int | None) -> dict:
+        try:
+            sleep = self.stats(policy).get("sleep") or {}
+        except http.HTTPFailure as e:
+            return {"enabled": False, "asleep": None, "level": None, "why": f"the engine does not answer: {e.message}"}
+        if not sleep.get("enabled"):
+            return {"enabled": False, "asleep": None, "level": None,
+                    "why": "the running engine was started without sleep mode: set [sleep] enabled = true and restart it once (cold)"}
+        return {"enabled": True, "asleep": bool(sleep.get("level")), "level": sleep.get("level") or None,
+                "last": sleep.get("last") or {}}
+
     def before_snapshot(self, policy) -> dict:
         return {"kv_cache_freed_bytes": http.post(self.base_url(policy) + "/admin/drop_kv_cache", timeout=60).get("freed_bytes", 0)}
 

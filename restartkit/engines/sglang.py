@@ -31,6 +31,8 @@ class SGLangAdapter(EngineAdapter):
             argv += ["--revision", s["revision"]]
         if policy.sleep["enabled"]:
             argv.append("--enable-memory-saver")
+            if policy.sleep["level"] == 1:  # level 1 parks the weights in host memory instead of dropping them
+                argv.append("--enable-weights-cpu-backup")
         return LaunchSpec(argv=argv + list(s["engine_args"]) + list(extra_args), env=dict(s["env"]))
 
     def model_problem(self, policy) -> str | None:
@@ -42,7 +44,40 @@ class SGLangAdapter(EngineAdapter):
     def feature_problems(self, policy) -> dict[str, str | None]:
         note = " (the SGLang adapter was not verified against a running SGLang)"
         return {"ipc": "the SGLang weight cache (--weight-cache-mode client) is not driven by restartkit yet" + note,
-                "sleep": "SGLang's /release_memory_occupation is not driven by restartkit yet" + note}
+                "sleep": None if policy.sleep["enabled"] else
+                "set [sleep] enabled = true: SGLang then starts with --enable-memory-saver" + note}
+
+    def plan_notes(self, policy) -> list[str]:
+        return ["the SGLang adapter follows SGLang's documented interfaces and was NOT run against a running SGLang "
+                "here: cold start and /health_generate readiness, and sleep through /release_memory_occupation and "
+                "/resume_memory_occupation (no /is_sleeping: proof by memory and canary only), are unverified"]
+
+    # ---- sleep: /release_memory_occupation and /resume_memory_occupation, JSON bodies with tags ----
+    sleep_needs_reload = True  # a level-2 cycle reloads through /update_weights_from_disk
+    can_confirm_sleep = False  # SGLang has no /is_sleeping
+
+    def sleep_request(self, policy, level: int) -> dict:
+        return http.post(self.base_url(policy) + "/release_memory_occupation", {}, timeout=300) or {}
+
+    def wake_request(self, policy, tags: list[str]) -> dict:
+        return http.post(self.base_url(policy) + "/resume_memory_occupation", {"tags": list(tags)}, timeout=600) or {}
+
+    def wake_is_complete(self, answer: dict) -> bool:
+        return answer.get("success", True) is not False
+
+    def reload_weights(self, policy) -> None:
+        answer = http.post(self.base_url(policy) + "/update_weights_from_disk",
+                           {"model_path": policy.service["model"]}, timeout=900) or {}
+        if answer.get("success") is False:
+            raise http.HTTPFailure("/update_weights_from_disk", 200, str(answer.get("message"))[:300])
+
+    def sleep_state(self, policy, pid: int | None) -> dict:
+        from restartkit.engines.vllm import _tree_cmdline
+        if "--enable-memory-saver" not in (_tree_cmdline(pid) if pid else ""):
+            return {"enabled": False, "asleep": None, "level": None,
+                    "why": "the running SGLang was started without --enable-memory-saver: set [sleep] enabled = true "
+                           "and restart it once (cold)"}
+        return {"enabled": True, "asleep": False, "level": None}
 
     def ipc_args(self, policy) -> list[str]:
         return ["--weight-cache-mode", "client"]

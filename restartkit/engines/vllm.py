@@ -17,6 +17,7 @@ from importlib import metadata
 from restartkit import http
 from restartkit.engines.base import EngineAdapter, LaunchSpec, python
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 HIT = re.compile(r"Mapped (\d+) tensors from the weight cache daemon \((\w+) mode\)")
 FALLBACK = re.compile(r"Weight cache (?:unusable \((.*)\)|IPC loading failed); falling back to disk loading")
 RANK = re.compile(r"\((?:[A-Za-z_:]*?)(?:TP|_TP|Worker_TP|rank)[ _]?(\d+)[^)]*\)|\((?:VllmWorker|Worker)[ -_]?(\d+)")
@@ -83,19 +84,55 @@ class VLLMAdapter(EngineAdapter):
             return {"ipc": "vLLM is not installed", "sleep": "vLLM is not installed"}
         if cpu or policy.service["device"] == "cpu":
             out["ipc"] = f"vLLM {v} on the CPU has no ipc_cache loader or `vllm preload` (CUDA/ROCm only)"
-            out["sleep"] = f"vLLM {v} on the CPU has no sleep mode (CUDA/ROCm/XPU only)"
+            out["sleep"] = (f"vLLM {v} on the CPU has no sleep mode (CUDA/ROCm/XPU only): its CPU workers "
+                            "answer /sleep but free nothing")
             return out
         out["ipc"] = None if _vtuple(v) >= (0, 31) else f"vLLM {v} predates the ipc_cache loader (0.31 or newer)"
-        if not policy.sleep["enabled"]:
-            out["sleep"] = "set [sleep] enabled = true: vLLM then starts with --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1"
-        else:
-            out["sleep"] = None
+        out["sleep"] = gpu_sleep_problem(policy)
         return out
+
+    def plan_notes(self, policy) -> list[str]:
+        if policy.sleep["enabled"]:
+            return ["vLLM's sleep mode needs VLLM_SERVER_DEV_MODE=1, which also serves /collective_rpc "
+                    "(arbitrary engine methods) on the serving port: keep that port on loopback"]
+        return []
 
     def ipc_args(self, policy) -> list[str]:
         i = policy.ipc
         cfg = {k: i[k] for k in ("mode", "fallback", "connect_timeout_s", "state_timeout_s")}
         return ["--load-format", "ipc_cache", "--model-loader-extra-config", json.dumps(cfg)]
+
+    # ---- sleep mode (POST /sleep, GET /is_sleeping, POST /wake_up, POST /collective_rpc) ----
+    sleep_needs_reload = True  # level 2 drops the weights; vLLM reloads them only when asked
+
+    def sleep_request(self, policy, level: int) -> dict:
+        # level always explicit (vLLM's default is 1); mode=wait lets in-flight requests finish
+        # (new ones queue until the wake) instead of aborting them, vLLM's default
+        return http.post(f"{self.base_url(policy)}/sleep?level={int(level)}&mode=wait", timeout=300)
+
+    def reload_weights(self, policy) -> None:
+        answer = http.post(f"{self.base_url(policy)}/collective_rpc", {"method": "reload_weights"}, timeout=900)
+        errors = [r for r in (answer.get("results") or []) if isinstance(r, str) and "Error" in r]
+        if errors:
+            raise http.HTTPFailure("/collective_rpc reload_weights", 200, errors[0][:300])
+
+    def sleep_expected_bytes(self, policy, answer: dict) -> int | None:
+        """vLLM's answer says nothing about sizes: the checkpoint's weights are what level 1 and 2 free."""
+        return checkpoint_bytes(policy.service["model"])
+
+    def sleep_state(self, policy, pid: int | None) -> dict:
+        flags = _tree_cmdline(pid) if pid else ""
+        if "--enable-sleep-mode" not in flags:
+            return {"enabled": False, "asleep": None, "level": None,
+                    "why": "the running vLLM was started without --enable-sleep-mode: set [sleep] enabled = true "
+                           "and restart it once (cold)"}
+        try:
+            asleep = self.sleep_is_confirmed(policy)
+        except http.HTTPFailure as e:
+            why = ("its sleep endpoints are off: vLLM serves them only with VLLM_SERVER_DEV_MODE=1"
+                   if e.status == 404 else f"/is_sleeping does not answer: {e.message}")
+            return {"enabled": False, "asleep": None, "level": None, "why": why}
+        return {"enabled": True, "asleep": asleep, "level": None}
 
     # ---- snapshots ---------------------------------------------------------------
     def before_snapshot(self, policy) -> dict:
@@ -103,6 +140,36 @@ class VLLMAdapter(EngineAdapter):
 
     def after_resume(self, policy) -> None:
         return None
+
+
+def gpu_sleep_problem(policy) -> str | None:
+    """Why a GPU vLLM cannot run this policy's sleep cycles (None: it can)."""
+    if not policy.sleep["enabled"]:
+        return ("set [sleep] enabled = true: vLLM then starts with --enable-sleep-mode and "
+                "VLLM_SERVER_DEV_MODE=1 (which also exposes /collective_rpc on the serving port)")
+    if policy.service["host"] not in LOOPBACK:
+        return (f"vLLM serves /sleep and /collective_rpc (dev mode) on its one port, and [service] host is "
+                f"{policy.service['host']!r}: anyone who reaches it could run code in the engine. "
+                "Bind to 127.0.0.1 (behind your proxy) to use sleep mode")
+    return None
+
+
+def checkpoint_bytes(model: str) -> int | None:
+    """Bytes of the safetensors of a local checkpoint directory (None for a hub id)."""
+    import glob
+    import os
+    files = glob.glob(os.path.join(model, "*.safetensors"))
+    return sum(os.path.getsize(f) for f in files) or None
+
+
+def _tree_cmdline(pid: int) -> str:
+    try:
+        import psutil
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+        return " ".join(" ".join(p.cmdline()) for p in procs)
+    except Exception:
+        return ""
 
 
 def parse_ipc_log(text: str, tp_size: int) -> dict:

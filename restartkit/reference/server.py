@@ -205,7 +205,13 @@ class Handler(BaseHTTPRequestHandler):
             self._error(507, f"{path} failed: {type(e).__name__}: {str(e)[:300]}; the engine is still asleep", "insufficient_storage")
             return
         log(f"{path}: {json.dumps(info)}")
-        self._send(200, {**info, "is_sleeping": st.sleeper.asleep})
+        # vLLM's answer shape (status, level / tags), plus what this engine measured
+        if path == "/sleep":
+            head = {"status": "sleeping", "level": st.sleeper.level}
+        else:
+            awake = not st.sleeper.asleep and eng.model.cache_k is not None
+            head = {"status": "awake" if awake else "sleeping", "tags": query.get("tags")}
+        self._send(200, {**head, **info, "is_sleeping": st.sleeper.asleep})
 
     def _stats(self) -> dict:
         st = self.server.state
