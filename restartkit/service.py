@@ -21,6 +21,21 @@ from restartkit.supervise import EngineProcess, ProcState, Seam
 
 
 @dataclass
+class Handover:
+    """An old engine told to stop; see Service.hand_over."""
+    proc: EngineProcess | None
+    port_free_s: float = 0.0
+    exit_s: float | None = None
+    how: str = "not running"
+    env: dict = field(default_factory=dict)
+    thread: object = None
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+
+
+@dataclass
 class Started:
     process: EngineProcess
     ready_s: float
@@ -121,14 +136,18 @@ class Service:
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}"}
 
-    def port_holder(self) -> str | None:
-        """Who listens on the service's port, if anyone."""
+    def port_listening(self) -> bool:
         s = self.policy.service
         host = "127.0.0.1" if s["host"] in ("0.0.0.0", "") else s["host"]
         with socket.socket() as sock:
             sock.settimeout(0.5)
-            if sock.connect_ex((host, s["port"])) != 0:
-                return None
+            return sock.connect_ex((host, s["port"])) == 0
+
+    def port_holder(self) -> str | None:
+        """Who listens on the service's port, if anyone."""
+        s = self.policy.service
+        if not self.port_listening():
+            return None
         try:
             import psutil
             for c in psutil.net_connections(kind="tcp"):
@@ -198,6 +217,69 @@ class Service:
             "pid": proc.pid, "create_time": proc.create_time, "port": self.policy.service["port"],
             "strategy": strategy, "ready": ready, "written_at": time.time(),
         })
+
+    def hand_over(self) -> "Handover":
+        """Stop the old engine the fast way for a restart: SIGTERM, and return
+        as soon as it no longer listens (it closes its listener first, then
+        drains).  Its exit is awaited in the background, with the usual
+        SIGKILL at the stop timeout; the new engine, started at once, waits
+        for that exit before it allocates device memory (RESTARTKIT_AFTER_PID),
+        so the old one's teardown overlaps the new one's start-up."""
+        import signal
+        import threading
+        proc = self.current()
+        h = Handover(proc)
+        if proc is None:
+            self.pidfile.unlink(missing_ok=True)
+            return h
+        r = self.policy.restart
+        t0 = time.monotonic()
+        proc.to(ProcState.STOPPING)
+        try:
+            self.seam.kill(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = t0 + r["stop_timeout_s"]
+        while time.monotonic() < deadline and proc.alive() and self.port_listening():
+            time.sleep(0.005)
+        h.port_free_s = round(time.monotonic() - t0, 4)
+        self.pidfile.unlink(missing_ok=True)
+
+        def finish():
+            try:
+                h.how = proc.stop(timeout_s=max(0.0, deadline - time.monotonic()), signalled=True)
+            except Exception as e:  # survived SIGKILL: the new engine's gate says so
+                h.how = f"{type(e).__name__}: {e}"
+            h.exit_s = round(time.monotonic() - t0, 4)
+        h.thread = threading.Thread(target=finish, daemon=True)
+        h.thread.start()
+        h.env = {"RESTARTKIT_AFTER_PID": f"{proc.pid}:{proc.create_time or ''}",
+                 "RESTARTKIT_AFTER_TIMEOUT_S": str(r["stop_timeout_s"] + 15)}
+        return h
+
+    def restart_engine(self, strategy: str, extra_args=(), phases: dict | None = None) -> Started:
+        """Stop the running engine and start the new one: through a hand-over
+        when the engine can wait for its predecessor (the reference engine),
+        else stop first, then start.  Fills `phases` (stop, start_to_ready, old_exit)."""
+        phases = {} if phases is None else phases
+        t0 = time.monotonic()
+        if getattr(self.adapter, "waits_for_previous", False):
+            h = self.hand_over()
+            phases["stop"] = h.port_free_s
+        else:
+            h = None
+            self.stop()
+            phases["stop"] = round(time.monotonic() - t0, 4)
+        t1 = time.monotonic()
+        try:
+            started = self.start_engine(strategy=strategy, extra_args=extra_args, extra_env=h.env if h else None)
+        finally:
+            if h is not None:
+                h.join()
+                if h.proc is not None:
+                    phases["old_exit"] = h.exit_s
+        phases["start_to_ready"] = round(time.monotonic() - t1, 4)
+        return started
 
     def stop(self) -> str:
         proc = self.current()

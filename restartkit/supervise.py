@@ -129,7 +129,7 @@ class EngineProcess:
             return self.popen.poll() is None
         return self.seam.alive(self.pid, self.create_time)
 
-    def wait_ready(self, probe: Callable[[], None], timeout_s: float, interval_s: float = 0.25) -> float:
+    def wait_ready(self, probe: Callable[[], None], timeout_s: float, interval_s: float = 0.05) -> float:
         """Probe until it passes; returns seconds waited.  Raises
         EngineStartError (state FATAL) when the process exits or the deadline passes."""
         t0 = self.seam.clock()
@@ -175,16 +175,18 @@ class EngineProcess:
         self.to(ProcState.READY)
         return self.seam.clock() - t0
 
-    def stop(self, timeout_s: float = 30.0, kill_timeout_s: float = 10.0) -> str:
-        """SIGTERM, wait, SIGKILL, wait.  Returns how it ended."""
+    def stop(self, timeout_s: float = 30.0, kill_timeout_s: float = 10.0, signalled: bool = False) -> str:
+        """SIGTERM, wait, SIGKILL, wait.  Returns how it ended.  `signalled`:
+        SIGTERM was already sent (a hand-over); only wait, then kill."""
         if self.state not in (ProcState.STOPPING, ProcState.EXITED, ProcState.FATAL):
             self.to(ProcState.STOPPING)
-        how = "already gone"
+        how = "stopped by SIGTERM" if signalled else "already gone"
         for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, kill_timeout_s)):
             if not self.alive():
                 break
             try:
-                self.seam.kill(self.pid, sig)
+                if not (signalled and sig == signal.SIGTERM):
+                    self.seam.kill(self.pid, sig)
             except ProcessLookupError:  # no such process: already gone
                 if self.state is ProcState.STOPPING:
                     self.to(ProcState.EXITED)

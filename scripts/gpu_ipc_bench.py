@@ -104,7 +104,8 @@ def engine_stats(port: int) -> dict:
         return json.loads(r.read())
 
 
-def run_tp(work: Path, model: Path, device: str, tp: int, port: int, results: dict, kill_test: bool) -> None:
+def run_tp(work: Path, model: Path, device: str, tp: int, port: int, results: dict, kill_test: bool,
+           ipc_repeat: int = 2) -> None:
     name = f"ref-tp{tp}"
     pol = policy(work, name, model, device, tp, port)
     out = results.setdefault(name, {"tp": tp, "runs": []})
@@ -124,7 +125,7 @@ def run_tp(work: Path, model: Path, device: str, tp: int, port: int, results: di
     out["weightcache"] = json.loads(cli("weightcache", "status", "--policy", pol, "--json", check=False).stdout)
     plan = json.loads(cli("plan", "--policy", pol, "--json").stdout)
     out["plan_attempt"] = plan["attempt"]
-    for _ in range(2):
+    for _ in range(ipc_repeat):
         out["runs"].append({**restart(pol, "ipc"), "page_cache": "n/a"})
     if out["page_cache_dropped"] and drop_page_cache():
         out["runs"].append({**restart(pol, "ipc"), "page_cache": "dropped"})
@@ -175,6 +176,9 @@ def median(xs):
     return xs[len(xs) // 2] if xs else None
 
 
+AFTER_FLOOR = ("tokenizer", "dist_init", "wait_previous", "weight_load", "kv_cache_alloc", "warmup", "cuda_graph_capture")
+
+
 def verdict(results: dict) -> str:
     lines = ["", "ipc vs cold on this machine (time to ready = from the stop of the old engine to a real completion)",
              f"{'service':<9}{'strategy':<9}{'cache':<9}{'ready s':>8}{'engine start s':>15}{'floor s':>9}{'attach s':>9}  ipc        canary"]
@@ -188,6 +192,19 @@ def verdict(results: dict) -> str:
             lines.append(f"{name:<9}{run['served_by'] or '-':<9}{run['page_cache']:<9}{run['time_to_ready_s'] or 0:>8.2f}"
                          f"{start or 0:>15.2f}{floor:>9.2f}{run.get('attach_s') or 0:>9.4f}  "
                          f"{str(run.get('ipc') or '-'):<10} {'same' if run['canary_identical'] else run['canary_identical']}")
+        ipc_runs = [run for run in r["runs"] if run["served_by"] == "ipc"]
+        for run in ipc_runs:
+            ep = run.get("engine_phases") or {}
+            floor = sum(ep.get(k, 0) for k in ("process_start", "import_torch", "cuda_init"))
+            parts = {k: ep.get(k, 0) for k in AFTER_FLOOR}
+            known = floor + sum(parts.values())
+            other = max(0.0, (ep.get("ready_since_spawn") or known) - known)
+            over = run["time_to_ready_s"] - floor
+            lines.append(f"  {name} ipc: ready {run['time_to_ready_s']:.2f} s = floor {floor:.2f} + {over:.2f} s "
+                         f"[{', '.join(f'{k} {v:.3f}' for k, v in parts.items())}, other in-process {other:.3f}, "
+                         f"stop {(run.get('phases') or {}).get('stop', 0):.3f}, readiness probe and hand-back "
+                         f"{max(0.0, over - sum(parts.values()) - other - (run.get('phases') or {}).get('stop', 0)):.3f}]"
+                         f" -> target (within 0.5 s of the floor) {'MET' if over <= 0.5 else 'MISSED'}")
         k = r.get("daemon_sigkill")
         if k:
             lines.append(f"{name}: daemon SIGKILLed under a zero_copy engine: engine answers={k.get('engine_answers')}, "
@@ -204,6 +221,8 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tp", default="1,2")
     p.add_argument("--port", type=int, default=8400)
+    p.add_argument("--ipc-repeat", type=int, default=2)
+    p.add_argument("--no-kill-test", action="store_true")
     args = p.parse_args()
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
@@ -224,7 +243,8 @@ def main() -> int:
     results["model_bytes"] = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     for i, tp in enumerate(int(x) for x in args.tp.split(",")):
         try:
-            run_tp(work, model, args.device, tp, args.port + 10 * i, results, kill_test=(tp == 1))
+            run_tp(work, model, args.device, tp, args.port + 10 * i, results, kill_test=(tp == 1 and not args.no_kill_test),
+                   ipc_repeat=args.ipc_repeat)
         except Exception as e:
             results[f"ref-tp{tp}-error"] = str(e)[-3000:]
             print(f"TP{tp} failed: {str(e)[-3000:]}", flush=True)

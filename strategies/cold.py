@@ -2,8 +2,6 @@
 the recovery path of every other strategy."""
 from __future__ import annotations
 
-import time
-
 from restartkit.strategies.base import BaseStrategy, Facts, Outcome, adapter_available, model_loadable
 
 
@@ -13,11 +11,6 @@ class ColdStrategy(BaseStrategy):
 
     def execute(self, service, facts: Facts) -> Outcome:
         phases: dict[str, float] = {}
-        t0 = time.monotonic()
-        service.stop()
-        phases["stop"] = round(time.monotonic() - t0, 4)
-        t1 = time.monotonic()
-        started = service.start_engine(strategy=self.name)
-        phases["start_to_ready"] = round(time.monotonic() - t1, 4)
+        started = service.restart_engine(self.name, phases=phases)
         return Outcome(self.name, ok=True, phases=phases, engine_phases=started.engine_phases,
                        proof={"path": "cold start from disk", "weight_source": started.weight_source})

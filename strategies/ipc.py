@@ -6,8 +6,6 @@ never silent: it is recorded as fallback(reason), and counts as a recovery.
 """
 from __future__ import annotations
 
-import time
-
 from restartkit.strategies.base import BaseStrategy, Facts, Outcome, adapter_available, model_loadable
 
 
@@ -93,12 +91,7 @@ class IPCStrategy(BaseStrategy):
             from restartkit.overlap import overlapped_ipc
             return overlapped_ipc(service, facts, self.name)
         phases: dict[str, float] = {}
-        t0 = time.monotonic()
-        service.stop()
-        phases["stop"] = round(time.monotonic() - t0, 4)
-        t1 = time.monotonic()
-        started = service.start_engine(strategy=self.name, extra_args=service.adapter.ipc_args(service.policy))
-        phases["start_to_ready"] = round(time.monotonic() - t1, 4)
+        started = service.restart_engine(self.name, service.adapter.ipc_args(service.policy), phases)
         if service.policy.service["engine"] == "vllm":
             return self._vllm_proof(service, started, phases)
         load = (started.stats or {}).get("load") or {}

@@ -30,8 +30,11 @@ def test_cold_restart_is_proven_by_an_identical_canary(make_policy, service_clea
     assert rec["proof"]["baseline_source"] == "live engine before the restart"
     assert rec["proof"]["before"] == rec["proof"]["after"] and len(rec["proof"]["after"][0]) == 8
     attempt = rec["attempts"][0]
-    assert set(attempt["phases"]) == {"stop", "start_to_ready"}
-    assert {"import_torch", "weight_load", "kv_cache_alloc", "warmup"} <= set(attempt["engine_phases"])
+    # a hand-over: the old engine stopped listening ("stop"), the new one started at once, and
+    # waited for the old one's exit ("old_exit") before it allocated memory ("wait_previous")
+    assert set(attempt["phases"]) == {"stop", "start_to_ready", "old_exit"}
+    assert attempt["phases"]["stop"] <= attempt["phases"]["old_exit"]
+    assert {"import_torch", "wait_previous", "weight_load", "kv_cache_alloc", "warmup"} <= set(attempt["engine_phases"])
     assert rec["time_to_ready_s"] > 0
     status = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
     assert status["serving"] and status["pid"] != first["pid"]
@@ -142,3 +145,31 @@ def test_help_is_fast_and_does_not_import_torch():
         out = subprocess.run([sys.executable, "-X", "importtime", "-m", "restartkit.cli", *cmd], capture_output=True,
                              text=True, cwd=str(Path(__file__).resolve().parent.parent))
         assert " torch\n" not in out.stderr and "| torch\n" not in out.stderr, cmd
+
+
+def test_a_new_engine_waits_for_the_one_it_replaces(monkeypatch):
+    import subprocess
+    import time
+
+    import psutil
+
+    from restartkit.reference.server import wait_for_previous_engine
+    old = subprocess.Popen(["sleep", "0.6"])
+    ctime = psutil.Process(old.pid).create_time()
+    monkeypatch.setenv("RESTARTKIT_AFTER_PID", f"{old.pid}:{ctime}")
+    t0 = time.monotonic()
+    assert wait_for_previous_engine() >= 0.4 and time.monotonic() - t0 < 5
+    old.wait()
+    # a PID now used by another process (another start time) is not waited for
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        monkeypatch.setenv("RESTARTKIT_AFTER_PID", f"{other.pid}:{ctime - 100}")
+        assert wait_for_previous_engine() == 0.0
+        # one that does not exit in time stops the start, saying why
+        monkeypatch.setenv("RESTARTKIT_AFTER_PID", f"{other.pid}:{psutil.Process(other.pid).create_time()}")
+        monkeypatch.setenv("RESTARTKIT_AFTER_TIMEOUT_S", "0.3")
+        with pytest.raises(TimeoutError, match=f"PID {other.pid}"):
+            wait_for_previous_engine()
+    finally:
+        other.kill()
+        other.wait()

@@ -15,6 +15,7 @@ class LaunchSpec:
 
 class EngineAdapter:
     name = "base"
+    waits_for_previous = False  # can a new engine start while the old one tears down (see Service.hand_over)?
 
     def launch(self, policy, extra_args: list[str] = ()) -> LaunchSpec:
         raise NotImplementedError

@@ -10,6 +10,7 @@ from restartkit.reference.layout import model_dir_ok
 
 class ReferenceAdapter(EngineAdapter):
     name = "reference"
+    waits_for_previous = True  # RESTARTKIT_AFTER_PID: allocates device memory only once its predecessor exited
 
     def launch(self, policy, extra_args=()) -> LaunchSpec:
         s = policy.service

@@ -89,9 +89,10 @@ class Engine:
         self.prepare(weights)
         self.activate()
 
-    def prepare(self, weights=None) -> None:
+    def prepare(self, weights=None, before_weights=None) -> None:
         """Everything that can happen while another engine still serves:
-        device context, configuration, process group, weights."""
+        device context, configuration, process group, weights.
+        `before_weights`, when given, runs just before the weights load."""
         if self.device.type == "cuda":
             self._timed("cuda_init", lambda: torch.cuda.set_device(self.device))
         self.config = ModelConfig.load(self.options.model)
@@ -100,6 +101,8 @@ class Engine:
         if self.options.tp_size > 1:
             self._timed("dist_init", self.init_distributed)
         self._weights = weights or self.load_from_disk
+        if before_weights is not None:
+            before_weights()
         self._timed("weight_load", self._weights)
         if self.options.tp_size > 1:
             self._gather_load_results()
@@ -107,8 +110,10 @@ class Engine:
     def activate(self) -> None:
         """What needs the device to itself: KV cache, warm-up, graph capture."""
         self._timed("kv_cache_alloc", self.model.allocate_kv_cache, self.options.max_model_len)
-        self._timed("warmup", self.warmup)
-        if self.device.type == "cuda" and self.options.cuda_graph and self.options.tp_size == 1:
+        graph = self.device.type == "cuda" and self.options.cuda_graph and self.options.tp_size == 1
+        # the capture runs the decode step eagerly first: the warm-up then needs only the prefill
+        self._timed("warmup", self.warmup, 1 if graph else 2)
+        if graph:
             self._timed("cuda_graph_capture", self.capture_decode_graph)
 
     def init_distributed(self) -> None:
@@ -166,9 +171,10 @@ class Engine:
         self.load_info = {**info, "tensors": len(seen)}
 
     @torch.inference_mode()
-    def warmup(self) -> None:
+    def warmup(self, max_tokens: int = 2) -> None:
         """A real forward pass: /health says ready only after this ran."""
-        self._generate_locked([self.config.bos_token_id, 1, 2, 3], max_tokens=2, temperature=0.0, seed=0, want_logprobs=False)
+        self._generate_locked([self.config.bos_token_id, 1, 2, 3], max_tokens=max_tokens, temperature=0.0, seed=0,
+                              want_logprobs=False)
 
     @torch.inference_mode()
     def capture_decode_graph(self) -> None:

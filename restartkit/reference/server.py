@@ -446,9 +446,16 @@ def _make_engine(args):
 
 def _start_engine(engine, args, gate=None) -> None:
     """Start with weights from disk or from the weight cache; `gate`, when
-    given, runs between preparing and activating (an overlapped restart)."""
+    given, runs between preparing and activating (an overlapped restart).
+    The engine this one replaces may still be tearing down: device memory is
+    allocated only after it has exited (weights mapped zero_copy from the
+    weight cache take none, so they attach before that wait)."""
+    def previous():
+        waited = wait_for_previous_engine()
+        engine.phases["wait_previous"] = round(waited, 4)
+
     if args.load_format != "ipc_cache":
-        engine.prepare()
+        engine.prepare(before_weights=previous)
         if gate:
             gate()
         engine.activate()
@@ -468,10 +475,48 @@ def _start_engine(engine, args, gate=None) -> None:
                          quantization=o.quantization, revision=args.revision)
         attach(engine, args.ipc, uuid, fp)
 
-    engine.prepare(weights=weights)
+    zero_copy = args.ipc.get("mode", "zero_copy") == "zero_copy"
+    engine.prepare(weights=weights, before_weights=None if zero_copy else previous)
+    if zero_copy:
+        previous()
     if gate:
         gate()
     engine.activate()
+
+
+def wait_for_previous_engine() -> float:
+    """Wait for the process named by RESTARTKIT_AFTER_PID ("pid:create_time")
+    to exit; returns seconds waited.  A reused PID (another start time) is not waited for."""
+    spec = os.environ.get("RESTARTKIT_AFTER_PID")
+    if not spec:
+        return 0.0
+    pid_s, _, ctime = spec.partition(":")
+    pid, timeout = int(pid_s), float(os.environ.get("RESTARTKIT_AFTER_TIMEOUT_S", "60"))
+    t0 = time.perf_counter()
+    try:
+        import psutil
+        proc = psutil.Process(pid)
+        if ctime and abs(proc.create_time() - float(ctime)) > 0.5:
+            return 0.0
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return 0.0
+    except Exception:  # gone already
+        return 0.0
+    try:
+        fd = os.pidfd_open(pid)  # readable once the process has exited (zombie or reaped)
+    except ProcessLookupError:
+        return 0.0
+    import select
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(timeout * 1000):
+            raise TimeoutError(f"the engine this one replaces (PID {pid}) is still running after {timeout:.0f} s; "
+                               "not allocating device memory beside it")
+    finally:
+        os.close(fd)
+    log(f"the previous engine (PID {pid}) has exited; waited {time.perf_counter() - t0:.3f} s")
+    return time.perf_counter() - t0
 
 
 def _write_status(path: str | None, **data) -> None:
@@ -557,7 +602,9 @@ def _load(args, state: State, outcome: dict, gate=None) -> None:
         from tokenizers import Tokenizer
 
         engine = _make_engine(args)
+        t0 = time.perf_counter()
         state.tokenizer = Tokenizer.from_file(os.path.join(args.model, "tokenizer.json"))
+        state.phases["tokenizer"] = round(time.perf_counter() - t0, 4)
         _start_engine(engine, args, gate)
     except Exception as e:
         outcome["error"] = f"{type(e).__name__}: {e}"
@@ -571,6 +618,7 @@ def _load(args, state: State, outcome: dict, gate=None) -> None:
         state.sleeper = Sleeper(engine)
         state.sleep_public = args.sleep_endpoints_public
     state.phases.update(engine.phases)
+    state.phases["ready_since_spawn"] = round(_since_exec(), 4)
     state.ready_at = time.time()
     state.ready = True
     log(f"ready in {state.ready_at - state.started_at:.2f} s; phases {json.dumps(state.phases)}")
