@@ -105,7 +105,7 @@ def engine_stats(port: int) -> dict:
 
 
 def run_tp(work: Path, model: Path, device: str, tp: int, port: int, results: dict, kill_test: bool,
-           ipc_repeat: int = 2) -> None:
+           ipc_repeat: int = 2, ab_prewarm: bool = False) -> None:
     name = f"ref-tp{tp}"
     pol = policy(work, name, model, device, tp, port)
     out = results.setdefault(name, {"tp": tp, "runs": []})
@@ -129,6 +129,12 @@ def run_tp(work: Path, model: Path, device: str, tp: int, port: int, results: di
         out["runs"].append({**restart(pol, "ipc"), "page_cache": "n/a"})
     if out["page_cache_dropped"] and drop_page_cache():
         out["runs"].append({**restart(pol, "ipc"), "page_cache": "dropped"})
+    if ab_prewarm:  # the same restarts without the first-use prewarm, for comparison
+        text = pol.read_text()
+        pol.write_text(text.replace("max_model_len = 4096", 'max_model_len = 4096\nengine_args = ["--no-prewarm"]'))
+        for _ in range(ipc_repeat):
+            out["runs"].append({**restart(pol, "ipc"), "page_cache": "no-prewarm"})
+        pol.write_text(text)
     if kill_test:
         out["daemon_sigkill"] = daemon_sigkill(pol, port)
     cli("stop", "--policy", pol, check=False)
@@ -176,7 +182,8 @@ def median(xs):
     return xs[len(xs) // 2] if xs else None
 
 
-AFTER_FLOOR = ("tokenizer", "dist_init", "wait_previous", "weight_load", "kv_cache_alloc", "warmup", "cuda_graph_capture")
+AFTER_FLOOR = ("tokenizer", "dist_init", "wait_previous", "weight_load", "kv_cache_alloc", "prewarm_join", "warmup",
+               "cuda_graph_capture")
 
 
 def verdict(results: dict) -> str:
@@ -194,13 +201,14 @@ def verdict(results: dict) -> str:
                          f"{str(run.get('ipc') or '-'):<10} {'same' if run['canary_identical'] else run['canary_identical']}")
         ipc_runs = [run for run in r["runs"] if run["served_by"] == "ipc"]
         for run in ipc_runs:
+            tag = "" if run["page_cache"] != "no-prewarm" else " (no prewarm)"
             ep = run.get("engine_phases") or {}
             floor = sum(ep.get(k, 0) for k in ("process_start", "import_torch", "cuda_init"))
             parts = {k: ep.get(k, 0) for k in AFTER_FLOOR}
             known = floor + sum(parts.values())
             other = max(0.0, (ep.get("ready_since_spawn") or known) - known)
             over = run["time_to_ready_s"] - floor
-            lines.append(f"  {name} ipc: ready {run['time_to_ready_s']:.2f} s = floor {floor:.2f} + {over:.2f} s "
+            lines.append(f"  {name} ipc{tag}: ready {run['time_to_ready_s']:.2f} s = floor {floor:.2f} + {over:.2f} s "
                          f"[{', '.join(f'{k} {v:.3f}' for k, v in parts.items())}, other in-process {other:.3f}, "
                          f"stop {(run.get('phases') or {}).get('stop', 0):.3f}, readiness probe and hand-back "
                          f"{max(0.0, over - sum(parts.values()) - other - (run.get('phases') or {}).get('stop', 0)):.3f}]"
@@ -223,6 +231,7 @@ def main() -> int:
     p.add_argument("--port", type=int, default=8400)
     p.add_argument("--ipc-repeat", type=int, default=2)
     p.add_argument("--no-kill-test", action="store_true")
+    p.add_argument("--ab-prewarm", action="store_true", help="also run the ipc restarts with --no-prewarm")
     args = p.parse_args()
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
@@ -244,7 +253,7 @@ def main() -> int:
     for i, tp in enumerate(int(x) for x in args.tp.split(",")):
         try:
             run_tp(work, model, args.device, tp, args.port + 10 * i, results, kill_test=(tp == 1 and not args.no_kill_test),
-                   ipc_repeat=args.ipc_repeat)
+                   ipc_repeat=args.ipc_repeat, ab_prewarm=args.ab_prewarm)
         except Exception as e:
             results[f"ref-tp{tp}-error"] = str(e)[-3000:]
             print(f"TP{tp} failed: {str(e)[-3000:]}", flush=True)

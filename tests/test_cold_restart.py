@@ -153,7 +153,7 @@ def test_a_new_engine_waits_for_the_one_it_replaces(monkeypatch):
 
     import psutil
 
-    from restartkit.reference.server import wait_for_previous_engine
+    from restartkit.reference.handover import wait_for_previous_engine
     old = subprocess.Popen(["sleep", "0.6"])
     ctime = psutil.Process(old.pid).create_time()
     monkeypatch.setenv("RESTARTKIT_AFTER_PID", f"{old.pid}:{ctime}")

@@ -303,6 +303,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--no-cuda-graph", action="store_true")
+    p.add_argument("--no-prewarm", action="store_true", help="CUDA: do not pay first-use kernel costs in a thread beside the load")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -409,6 +410,8 @@ def _rebuild_argv(args) -> list[str]:
         out.append("--enable-expert-parallel")
     if args.no_cuda_graph:
         out.append("--no-cuda-graph")
+    if args.no_prewarm:
+        out.append("--no-prewarm")
     return out
 
 
@@ -428,6 +431,7 @@ def _stop_workers(workers) -> None:
 def serve_worker(args) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when workers stop
     engine = _make_engine(args)
+    engine.start_prewarm()
     _start_engine(engine, args)
     engine.worker_loop()
     return 0
@@ -438,7 +442,8 @@ def _make_engine(args):
 
     rank = args.worker_rank
     opts = EngineOptions(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                         cuda_graph=not args.no_cuda_graph, tp_size=args.tensor_parallel_size, tp_rank=rank,
+                         cuda_graph=not args.no_cuda_graph, prewarm=not args.no_prewarm,
+                         tp_size=args.tensor_parallel_size, tp_rank=rank,
                          expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
                          dist_init=f"tcp://127.0.0.1:{args.dist_port}")
     return Engine(opts)
@@ -450,6 +455,8 @@ def _start_engine(engine, args, gate=None) -> None:
     The engine this one replaces may still be tearing down: device memory is
     allocated only after it has exited (weights mapped zero_copy from the
     weight cache take none, so they attach before that wait)."""
+    from restartkit.reference.handover import wait_for_previous_engine
+
     def previous():
         waited = wait_for_previous_engine()
         engine.phases["wait_previous"] = round(waited, 4)
@@ -482,41 +489,6 @@ def _start_engine(engine, args, gate=None) -> None:
     if gate:
         gate()
     engine.activate()
-
-
-def wait_for_previous_engine() -> float:
-    """Wait for the process named by RESTARTKIT_AFTER_PID ("pid:create_time")
-    to exit; returns seconds waited.  A reused PID (another start time) is not waited for."""
-    spec = os.environ.get("RESTARTKIT_AFTER_PID")
-    if not spec:
-        return 0.0
-    pid_s, _, ctime = spec.partition(":")
-    pid, timeout = int(pid_s), float(os.environ.get("RESTARTKIT_AFTER_TIMEOUT_S", "60"))
-    t0 = time.perf_counter()
-    try:
-        import psutil
-        proc = psutil.Process(pid)
-        if ctime and abs(proc.create_time() - float(ctime)) > 0.5:
-            return 0.0
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return 0.0
-    except Exception:  # gone already
-        return 0.0
-    try:
-        fd = os.pidfd_open(pid)  # readable once the process has exited (zombie or reaped)
-    except ProcessLookupError:
-        return 0.0
-    import select
-    try:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        if not poller.poll(timeout * 1000):
-            raise TimeoutError(f"the engine this one replaces (PID {pid}) is still running after {timeout:.0f} s; "
-                               "not allocating device memory beside it")
-    finally:
-        os.close(fd)
-    log(f"the previous engine (PID {pid}) has exited; waited {time.perf_counter() - t0:.3f} s")
-    return time.perf_counter() - t0
 
 
 def _write_status(path: str | None, **data) -> None:
@@ -602,6 +574,7 @@ def _load(args, state: State, outcome: dict, gate=None) -> None:
         from tokenizers import Tokenizer
 
         engine = _make_engine(args)
+        engine.start_prewarm()
         t0 = time.perf_counter()
         state.tokenizer = Tokenizer.from_file(os.path.join(args.model, "tokenizer.json"))
         state.phases["tokenizer"] = round(time.perf_counter() - t0, 4)
