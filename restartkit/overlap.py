@@ -55,6 +55,9 @@ def overlapped_ipc(service, facts, strategy_name: str = "ipc") -> Outcome:
     out = Outcome(strategy_name, ok=False, phases=phases, proof={"overlap": True})
     old = service.current()
     stats = facts.service.extra.get("engine_stats") or {}
+    if old is not None and pol.restart["overlap_mode"] == "prestart":
+        out.proof["overlap_mode"] = "prestart"
+        return _prestart(service, old, out)
     if old is None or not stats.get("reuse_port"):
         out.error = "the running engine was not started with SO_REUSEPORT ([restart] overlap = true): restart it once first"
         out.old_still_serving = old is not None
@@ -62,9 +65,16 @@ def overlapped_ipc(service, facts, strategy_name: str = "ipc") -> Outcome:
     kv = stats.get("kv_cache_bytes") or 0
     free = free_memory(pol.service["device"])
     out.proof["memory"] = {"free": free, "new_kv_cache": kv}
+    mode = pol.restart["overlap_mode"]
+    if mode == "auto":
+        mode = "serve_beside" if free is None or free >= kv else "prestart"
+    out.proof["overlap_mode"] = mode
+    if mode == "prestart":
+        return _prestart(service, old, out)
     if free is not None and free < kv:
         out.error = (f"{free / 1e9:.2f} GB free cannot hold a second KV cache of {kv / 1e9:.2f} GB: "
-                     "the old engine's KV cache would have to go first, which is a plain restart")
+                     "set [restart] overlap_mode = 'prestart' (or 'auto'): the new engine then activates once "
+                     "the old one stopped")
         out.old_still_serving = True
         return out
     status_path = service.state_dir / "overlap-status.json"
@@ -102,6 +112,62 @@ def overlapped_ipc(service, facts, strategy_name: str = "ipc") -> Outcome:
     out.proof["old_stop"] = how
     new.to(ProcState.READY)
     service.mark_ready(new, "ipc-overlap")
+    out.engine_phases = new_stats.get("phases", {})
+    phases["start_to_ready"] = round(time.monotonic() - t0, 4)
+    out.ok = True
+    return out
+
+
+def _prestart(service, old, out: Outcome) -> Outcome:
+    """The new engine does everything that needs no memory of its own (process
+    start, imports, device context, weights mapped zero_copy) while the old one
+    serves; then the old one stops, and the new one allocates its KV cache,
+    warms up, is checked alone on its private port and takes the public port.
+    Downtime: the old engine's stop plus the activation, not the process start."""
+    pol, phases = service.policy, out.phases
+    if pol.ipc["mode"] != "zero_copy":
+        out.error = "prestart needs [ipc] mode = 'zero_copy' (copied weights would need their memory beside the old engine's)"
+        out.old_still_serving = True
+        return out
+    status_path = service.state_dir / "overlap-status.json"
+    status_path.unlink(missing_ok=True)
+    args = service.adapter.ipc_args(pol) + ["--prepare-only", "--status-file", str(status_path)]
+    t0 = time.monotonic()
+    new, _ = service.spawn("ipc-prestart", args)
+    deadline = pol.restart["start_timeout_s"]
+    try:
+        _wait_state(status_path, new, "prepared", deadline)
+    except Exception as e:
+        new.stop(timeout_s=5)
+        out.error = f"the new engine failed before the old one was stopped: {e}"
+        out.old_still_serving = True
+        return out
+    phases["prepare"] = round(time.monotonic() - t0, 4)
+    t1 = time.monotonic()
+    out.proof["old_stop"] = service.stop()  # drained, exited: its KV cache is free
+    phases["stop_old"] = round(time.monotonic() - t1, 4)
+    try:
+        os.kill(new.pid, signal.SIGUSR1)
+        st = _wait_state(status_path, new, "active", deadline)
+        phases["activate"] = round(time.monotonic() - t1 - phases["stop_old"], 4)
+        private = f"http://127.0.0.1:{st['admin_port']}"
+        new_stats = http.get(private + "/admin/stats", timeout=10)
+        load = new_stats.get("load") or {}
+        out.proof.update(ipc=load.get("ipc"), mode=load.get("mode"), attach_s=load.get("attach_s"),
+                         new_pid=new.pid, old_pid=old.pid, private_port=st["admin_port"])
+        if load.get("ipc") != "hit":
+            raise RuntimeError(f"the new engine did not attach from the weight cache: {load.get('ipc')}({load.get('fallback_reason')})")
+        out.proof["new_engine_canary"] = _canary_at(service, private)
+        os.kill(new.pid, signal.SIGUSR2)
+        _wait_state(status_path, new, "ready", 30)
+    except Exception as e:  # the old engine is gone: the restart's recovery (cold) takes over
+        if new.alive():
+            new.stop(timeout_s=5)
+        out.error = f"the prestarted engine failed after the old one stopped: {e}"
+        return out
+    phases["stop_to_ready"] = round(time.monotonic() - t1, 4)
+    new.to(ProcState.READY)
+    service.mark_ready(new, "ipc-prestart")
     out.engine_phases = new_stats.get("phases", {})
     phases["start_to_ready"] = round(time.monotonic() - t0, 4)
     out.ok = True

@@ -80,6 +80,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "canary_prompts": Key(list, ["The quick brown fox", "Restarting an inference server"]),
         "canary_max_tokens": Key(int, 16, check=_positive),
         "overlap": Key(bool, False, doc="ipc restarts prepare the new engine while the old one serves (reference engine)"),
+        "overlap_mode": Key(str, "auto", ("auto", "serve_beside", "prestart"),
+                            doc="serve_beside: the new engine serves beside the old one before it stops (room for "
+                                "a second KV cache); prestart: the new engine is prepared beside the old one "
+                                "(process, imports, device, weights mapped) and activated once it stopped (one KV "
+                                "cache); auto: serve_beside when free memory holds a second KV cache, else prestart"),
     },
     "ipc": {
         "mode": Key(str, "zero_copy", ("zero_copy", "copy")),

@@ -105,7 +105,7 @@ def engine_stats(port: int) -> dict:
 
 
 def run_tp(work: Path, model: Path, device: str, tp: int, port: int, results: dict, kill_test: bool,
-           ipc_repeat: int = 2, ab_prewarm: bool = False) -> None:
+           ipc_repeat: int = 2, prestart: bool = False) -> None:
     name = f"ref-tp{tp}"
     pol = policy(work, name, model, device, tp, port)
     out = results.setdefault(name, {"tp": tp, "runs": []})
@@ -129,11 +129,16 @@ def run_tp(work: Path, model: Path, device: str, tp: int, port: int, results: di
         out["runs"].append({**restart(pol, "ipc"), "page_cache": "n/a"})
     if out["page_cache_dropped"] and drop_page_cache():
         out["runs"].append({**restart(pol, "ipc"), "page_cache": "dropped"})
-    if ab_prewarm:  # the same restarts without the first-use prewarm, for comparison
+    if prestart:  # the new engine prepared beside the old one, activated once it stopped (one KV cache)
         text = pol.read_text()
-        pol.write_text(text.replace("max_model_len = 4096", 'max_model_len = 4096\nengine_args = ["--no-prewarm"]'))
+        pol.write_text(text.replace("[restart]\n", '[restart]\noverlap_mode = "prestart"\n'))
         for _ in range(ipc_repeat):
-            out["runs"].append({**restart(pol, "ipc"), "page_cache": "no-prewarm"})
+            rec = json.loads(cli("restart", "--policy", pol, "--strategy", "ipc", "--overlap", "--json").stdout)
+            a = rec["attempts"][-1]
+            out["prestart"] = out.get("prestart", []) + [{
+                "served_by": rec["served_by"], "via_recovery": rec["via_recovery"], "recovery_reason": rec["recovery_reason"],
+                "phases": a.get("phases"), "engine_phases": a.get("engine_phases"), "downtime": rec.get("downtime"),
+                "canary_identical": rec["proof"].get("canary_identical"), "ipc": (a.get("proof") or {}).get("ipc")}]
         pol.write_text(text)
     if kill_test:
         out["daemon_sigkill"] = daemon_sigkill(pol, port)
@@ -182,7 +187,7 @@ def median(xs):
     return xs[len(xs) // 2] if xs else None
 
 
-AFTER_FLOOR = ("tokenizer", "dist_init", "wait_previous", "weight_load", "kv_cache_alloc", "prewarm_join", "warmup",
+AFTER_FLOOR = ("tokenizer", "dist_init", "wait_previous", "weight_load", "kv_cache_alloc", "warmup",
                "cuda_graph_capture")
 
 
@@ -201,7 +206,7 @@ def verdict(results: dict) -> str:
                          f"{str(run.get('ipc') or '-'):<10} {'same' if run['canary_identical'] else run['canary_identical']}")
         ipc_runs = [run for run in r["runs"] if run["served_by"] == "ipc"]
         for run in ipc_runs:
-            tag = "" if run["page_cache"] != "no-prewarm" else " (no prewarm)"
+            tag = "" if run["page_cache"] != "dropped" else " (page cache dropped)"
             ep = run.get("engine_phases") or {}
             floor = sum(ep.get(k, 0) for k in ("process_start", "import_torch", "cuda_init"))
             parts = {k: ep.get(k, 0) for k in AFTER_FLOOR}
@@ -213,6 +218,16 @@ def verdict(results: dict) -> str:
                          f"stop {(run.get('phases') or {}).get('stop', 0):.3f}, readiness probe and hand-back "
                          f"{max(0.0, over - sum(parts.values()) - other - (run.get('phases') or {}).get('stop', 0)):.3f}]"
                          f" -> target (within 0.5 s of the floor) {'MET' if over <= 0.5 else 'MISSED'}")
+        for run in r.get("prestart", []):
+            ph, d = run.get("phases") or {}, run.get("downtime") or {}
+            ep = run.get("engine_phases") or {}
+            floor = sum(ep.get(k, 0) for k in ("process_start", "import_torch", "cuda_init"))
+            lines.append(f"  {name} ipc prestarted: {run['served_by']}, stop of the old -> ready {ph.get('stop_to_ready', 0):.2f} s "
+                         f"(stop {ph.get('stop_old', 0):.2f} + activate {ph.get('activate', 0):.2f} + check and publish), "
+                         f"client-seen downtime {d.get('downtime_s')} s, failed requests {d.get('failed')}, "
+                         f"process-start floor off the path ({floor:.2f} s, during prepare {ph.get('prepare', 0):.2f} s), "
+                         f"ipc {run.get('ipc')}, canary {'same' if run['canary_identical'] else run['canary_identical']}"
+                         + (f" RECOVERED: {run['recovery_reason']}" if run["via_recovery"] else ""))
         k = r.get("daemon_sigkill")
         if k:
             lines.append(f"{name}: daemon SIGKILLed under a zero_copy engine: engine answers={k.get('engine_answers')}, "
@@ -231,7 +246,7 @@ def main() -> int:
     p.add_argument("--port", type=int, default=8400)
     p.add_argument("--ipc-repeat", type=int, default=2)
     p.add_argument("--no-kill-test", action="store_true")
-    p.add_argument("--ab-prewarm", action="store_true", help="also run the ipc restarts with --no-prewarm")
+    p.add_argument("--prestart", action="store_true", help="also run prestarted ipc restarts ([restart] overlap_mode)")
     args = p.parse_args()
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
@@ -253,7 +268,7 @@ def main() -> int:
     for i, tp in enumerate(int(x) for x in args.tp.split(",")):
         try:
             run_tp(work, model, args.device, tp, args.port + 10 * i, results, kill_test=(tp == 1 and not args.no_kill_test),
-                   ipc_repeat=args.ipc_repeat, ab_prewarm=args.ab_prewarm)
+                   ipc_repeat=args.ipc_repeat, prestart=args.prestart)
         except Exception as e:
             results[f"ref-tp{tp}-error"] = str(e)[-3000:]
             print(f"TP{tp} failed: {str(e)[-3000:]}", flush=True)

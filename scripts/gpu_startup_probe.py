@@ -22,12 +22,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 VARIANTS = {
     "as the engine starts": {},
-    "kernels pre-warmed on tiny tensors": {"prewarm": True},
     "eager module loading": {"env": {"CUDA_MODULE_LOADING": "EAGER"}},
 }
 
 
-def child(preset: str, prewarm: bool) -> dict:
+def child(preset: str) -> dict:
     t = {}
     t0 = time.perf_counter()
     import torch
@@ -44,15 +43,12 @@ def child(preset: str, prewarm: bool) -> dict:
     from restartkit.reference.checkpoint import PRESETS
     from restartkit.reference.model import SINGLE
     from restartkit.reference.weights import build_model
-    from restartkit.reference.prewarm import prewarm_kernels
     cfg = PRESETS[preset].config
     model = build_model(cfg, SINGLE, torch.bfloat16, "none").to_empty(device="cuda")
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
     torch.cuda.synchronize()
-    if prewarm:
-        timed("prewarm", lambda: prewarm_kernels(cfg, torch.device("cuda", 0), torch.bfloat16))
     timed("kv_cache_alloc", lambda: model.allocate_kv_cache(4096))
     dev = torch.device("cuda", 0)
     with torch.inference_mode():
@@ -84,27 +80,26 @@ def main() -> int:
     ap.add_argument("--json")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--child", action="store_true")
-    ap.add_argument("--prewarm", action="store_true")
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(child(a.preset, a.prewarm)))
+        print(json.dumps(child(a.preset)))
         return 0
     results = {}
     for name, v in VARIANTS.items():
         runs = []
         for _ in range(a.repeat):
-            argv = [sys.executable, __file__, "--child", "--preset", a.preset] + (["--prewarm"] if v.get("prewarm") else [])
+            argv = [sys.executable, __file__, "--child", "--preset", a.preset]
             out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **v.get("env", {})})
             if out.returncode != 0:
                 print(out.stderr[-2000:])
                 return 1
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
         results[name] = runs
-    keys = ["import_torch", "cuda_init", "prewarm", "kv_cache_alloc", "first_prefill", "first_decode", "graph_capture", "second_prefill"]
+    keys = ["import_torch", "cuda_init", "kv_cache_alloc", "first_prefill", "first_decode", "graph_capture", "second_prefill"]
     print(f"{'variant':<36}" + "".join(f"{k:>15}" for k in keys) + f"{'after floor':>13}")
     for name, runs in results.items():
         for r in runs:
-            after = sum(r.get(k, 0) for k in keys[2:7])
+            after = sum(r.get(k, 0) for k in keys[2:6])
             print(f"{name:<36}" + "".join(f"{r.get(k, 0):>15.4f}" for k in keys) + f"{after:>13.4f}")
     if a.json:
         with open(a.json, "w") as f:

@@ -117,3 +117,23 @@ def test_a_new_engine_that_fails_to_prepare_leaves_the_old_one_serving(overlap_s
     assert "before the old one was stopped" in out.error and "fallback is off" in out.error
     status = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
     assert status["serving"] and status["pid"] == old_pid  # the old engine never stopped
+
+
+def test_prestarted_restart_activates_after_the_old_engine_stopped(overlap_service):
+    """Not enough memory for a second KV cache (forced here): the new engine prepares beside the
+    old one, which then stops; only then does the new one allocate, warm up and take the port."""
+    policy, _ = overlap_service
+    policy.write_text(policy.read_text().replace("[restart]\n", '[restart]\noverlap_mode = "prestart"\n'))
+    old_pid = json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]
+    r = run_cli("restart", "--policy", policy, "--strategy", "ipc", "--strict", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rec = json.loads(r.stdout)
+    a = rec["attempts"][0]
+    assert rec["served_by"] == "ipc" and a["proof"]["overlap_mode"] == "prestart" and a["proof"]["ipc"] == "hit"
+    assert rec["proof"]["canary_identical"] is True and a["proof"]["new_engine_canary"] == rec["proof"]["after"]
+    ph = a["phases"]
+    # the process start happened while the old engine served: the downtime is the stop and the activation
+    assert ph["stop_old"] <= ph["stop_to_ready"] < a["engine_phases"]["ready_since_spawn"]
+    assert rec["downtime"]["downtime_s"] is not None and rec["downtime"]["downtime_s"] < a["engine_phases"]["ready_since_spawn"]
+    status = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
+    assert status["serving"] and status["pid"] == a["proof"]["new_pid"] != old_pid

@@ -2,8 +2,6 @@
 checkpoints are deterministic and in the Hugging Face layout."""
 import json
 
-import pytest
-
 import torch
 
 from restartkit.reference.checkpoint import shard_files, tensor_shapes, write_checkpoint
@@ -64,19 +62,3 @@ def test_moe_preset_runs(tmp_path):
     eng.start()
     assert len(eng.generate([256, 5, 6], 4).tokens) == 4
     assert "block_sparse_moe.experts.3.w2.weight" in " ".join(n for n, _ in eng.model.named_parameters())
-
-
-@pytest.mark.parametrize("tp,quant", [(1, "none"), (2, "int8")])
-def test_prewarm_stand_in_runs_alone_for_any_layout(tmp_path, tp, quant):
-    """The stand-in forward (one layer, uninitialised memory) runs on one rank alone, whatever
-    the layout: no collective with ranks that are not there."""
-    import torch
-
-    from restartkit.reference.checkpoint import write_checkpoint
-    from restartkit.reference.model import ModelConfig, Parallel
-    from restartkit.reference.prewarm import Prewarm
-    model = write_checkpoint(tmp_path / "m", "tiny")
-    cfg = ModelConfig.load(model)
-    pw = Prewarm(cfg, Parallel(tp_size=tp, tp_rank=tp - 1), torch.float32, quant, torch.device("cpu"), 64).start()
-    pw.join()
-    assert pw.error is None and pw.seconds is not None

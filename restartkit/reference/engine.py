@@ -29,7 +29,6 @@ class EngineOptions:
     expert_parallel: bool = False
     quantization: str = "none"
     dist_init: str = ""  # tcp://host:port of rank 0, for tp_size > 1
-    prewarm: bool = True  # CUDA: first-use costs paid in a thread beside the load
 
 
 @dataclass
@@ -57,7 +56,6 @@ class Engine:
     lock: threading.Lock = field(default_factory=threading.Lock)
     _graph: object = None
     _static: dict = field(default_factory=dict)
-    _prewarm: object = None
 
     # ---- start-up ----------------------------------------------------------
     @property
@@ -109,31 +107,9 @@ class Engine:
         if self.options.tp_size > 1:
             self._gather_load_results()
 
-    def start_prewarm(self) -> None:
-        """On CUDA: pay the first-use costs of a forward pass in a thread, beside
-        the rest of the start (see restartkit.reference.prewarm)."""
-        if self.device.type != "cuda" or not self.options.prewarm:
-            return
-        from restartkit.reference.prewarm import Prewarm
-        cfg = ModelConfig.load(self.options.model)
-        dtype = DTYPES[self.options.dtype or cfg.torch_dtype]
-        self._prewarm = Prewarm(cfg, self.par, dtype, self.options.quantization, self.device,
-                                self.options.max_model_len).start()
-
-    def _join_prewarm(self) -> None:
-        pw = self._prewarm
-        if pw is None:
-            return
-        self.phases["prewarm_join"] = round(pw.join(), 4)
-        self.phases["prewarm_beside"] = round(pw.seconds or 0.0, 4)
-        if pw.error:
-            self.load_info["prewarm_error"] = pw.error
-        self._prewarm = None
-
     def activate(self) -> None:
         """What needs the device to itself: KV cache, warm-up, graph capture."""
         self._timed("kv_cache_alloc", self.model.allocate_kv_cache, self.options.max_model_len)
-        self._join_prewarm()
         graph = self.device.type == "cuda" and self.options.cuda_graph and self.options.tp_size == 1
         # the capture runs the decode step eagerly first: the warm-up then needs only the prefill
         self._timed("warmup", self.warmup, 1 if graph else 2)

@@ -303,7 +303,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--no-cuda-graph", action="store_true")
-    p.add_argument("--no-prewarm", action="store_true", help="CUDA: do not pay first-use kernel costs in a thread beside the load")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -410,8 +409,6 @@ def _rebuild_argv(args) -> list[str]:
         out.append("--enable-expert-parallel")
     if args.no_cuda_graph:
         out.append("--no-cuda-graph")
-    if args.no_prewarm:
-        out.append("--no-prewarm")
     return out
 
 
@@ -431,7 +428,6 @@ def _stop_workers(workers) -> None:
 def serve_worker(args) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when workers stop
     engine = _make_engine(args)
-    engine.start_prewarm()
     _start_engine(engine, args)
     engine.worker_loop()
     return 0
@@ -442,7 +438,7 @@ def _make_engine(args):
 
     rank = args.worker_rank
     opts = EngineOptions(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                         cuda_graph=not args.no_cuda_graph, prewarm=not args.no_prewarm,
+                         cuda_graph=not args.no_cuda_graph,
                          tp_size=args.tensor_parallel_size, tp_rank=rank,
                          expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
                          dist_init=f"tcp://127.0.0.1:{args.dist_port}")
@@ -574,7 +570,6 @@ def _load(args, state: State, outcome: dict, gate=None) -> None:
         from tokenizers import Tokenizer
 
         engine = _make_engine(args)
-        engine.start_prewarm()
         t0 = time.perf_counter()
         state.tokenizer = Tokenizer.from_file(os.path.join(args.model, "tokenizer.json"))
         state.phases["tokenizer"] = round(time.perf_counter() - t0, 4)
