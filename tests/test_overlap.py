@@ -130,7 +130,7 @@ def test_prestarted_restart_activates_after_the_old_engine_stopped(overlap_servi
     rec = json.loads(r.stdout)
     a = rec["attempts"][0]
     assert rec["served_by"] == "ipc" and a["proof"]["overlap_mode"] == "prestart" and a["proof"]["ipc"] == "hit"
-    assert rec["proof"]["canary_identical"] is True and a["proof"]["new_engine_canary"] == rec["proof"]["after"]
+    assert rec["proof"]["canary_identical"] is True and a["proof"]["new_engine_canary"] == rec["proof"]["after"][:1]
     ph = a["phases"]
     # the process start happened while the old engine served: the downtime is the stop and the activation
     assert ph["stop_old"] <= ph["stop_to_ready"] < a["engine_phases"]["ready_since_spawn"]
