@@ -105,7 +105,7 @@ def engine_stats(port: int) -> dict:
 
 
 def run_tp(work: Path, model: Path, device: str, tp: int, port: int, results: dict, kill_test: bool,
-           ipc_repeat: int = 2, prestart: bool = False) -> None:
+           ipc_repeat: int = 2, prestart: bool = False, ipc_only: bool = False) -> None:
     name = f"ref-tp{tp}"
     pol = policy(work, name, model, device, tp, port)
     out = results.setdefault(name, {"tp": tp, "runs": []})
@@ -113,9 +113,9 @@ def run_tp(work: Path, model: Path, device: str, tp: int, port: int, results: di
     t0 = time.monotonic()
     cli("start", "--policy", pol)
     out["first_start_s"] = round(time.monotonic() - t0, 2)
-    for _ in range(2):
+    for _ in range(0 if ipc_only else 2):
         out["runs"].append({**restart(pol, "cold"), "page_cache": "warm"})
-    out["page_cache_dropped"] = drop_page_cache()
+    out["page_cache_dropped"] = not ipc_only and drop_page_cache()
     if out["page_cache_dropped"]:
         out["runs"].append({**restart(pol, "cold"), "page_cache": "dropped"})
     t0 = time.monotonic()
@@ -247,6 +247,7 @@ def main() -> int:
     p.add_argument("--ipc-repeat", type=int, default=2)
     p.add_argument("--no-kill-test", action="store_true")
     p.add_argument("--prestart", action="store_true", help="also run prestarted ipc restarts ([restart] overlap_mode)")
+    p.add_argument("--ipc-only", action="store_true", help="no cold restarts (a short run)")
     args = p.parse_args()
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
@@ -268,7 +269,7 @@ def main() -> int:
     for i, tp in enumerate(int(x) for x in args.tp.split(",")):
         try:
             run_tp(work, model, args.device, tp, args.port + 10 * i, results, kill_test=(tp == 1 and not args.no_kill_test),
-                   ipc_repeat=args.ipc_repeat, prestart=args.prestart)
+                   ipc_repeat=args.ipc_repeat, prestart=args.prestart, ipc_only=args.ipc_only)
         except Exception as e:
             results[f"ref-tp{tp}-error"] = str(e)[-3000:]
             print(f"TP{tp} failed: {str(e)[-3000:]}", flush=True)
