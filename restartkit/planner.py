@@ -57,6 +57,10 @@ def make_plan(facts: Facts, policy, requested: str, strategies: dict) -> Plan:
             raise KeyError(requested)
         if verdicts[requested].eligible:
             attempt = requested
+        elif verdicts[requested].forceable:
+            attempt = requested
+            notes.append(f"{requested} was asked for by name although it is not eligible; the engine handles "
+                         "that itself (it falls back to loading from disk and says why), recorded as a fallback")
         else:
             attempt = RECOVERY if cold_ok else None
             notes.append(f"{requested} was asked for but is not eligible; the restart goes straight to its recovery path (cold)")

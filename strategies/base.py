@@ -47,9 +47,13 @@ class Verdict:
     eligible: bool
     reasons: list[str]
     built: bool = True
+    # not eligible, but every reason is one the engine handles itself when the strategy is asked for
+    # by name (ipc with fallback on: the engine loads from disk and says why); auto never picks it
+    forceable: bool = False
 
     def to_dict(self) -> dict:
-        return {"strategy": self.strategy, "eligible": self.eligible, "built": self.built, "reasons": self.reasons}
+        return {"strategy": self.strategy, "eligible": self.eligible, "built": self.built, "reasons": self.reasons,
+                "forceable": self.forceable}
 
 
 @dataclass
@@ -86,10 +90,12 @@ class BaseStrategy:
     prerequisites: list[Predicate] = []
 
     def check(self, facts: Facts, policy: "Policy") -> Verdict:
-        reasons = [r for r in (p(facts, policy) for p in self.prerequisites) if r]
+        failed = [(p, r) for p, r in ((p, p(facts, policy)) for p in self.prerequisites) if r]
+        reasons = [r for _, r in failed]
         if not self.built:
             reasons.insert(0, f"the {self.name} strategy is not built yet in restartkit {_version()}")
-        return Verdict(self.name, eligible=not reasons, reasons=reasons, built=self.built)
+        forceable = bool(failed) and self.built and all(getattr(p, "forceable", lambda _p: False)(policy) for p, _ in failed)
+        return Verdict(self.name, eligible=not reasons, reasons=reasons, built=self.built, forceable=forceable)
 
     def execute(self, service: "Service", facts: Facts) -> Outcome:
         raise NotImplementedError(f"{self.name} cannot execute")

@@ -67,6 +67,11 @@ def fingerprints_match(facts: Facts, policy) -> str | None:
     return ("the daemon holds other weights than the engine wants: " + " | ".join(reasons)) if reasons else None
 
 
+# With fallback on, an engine asked to load through the cache checks the fingerprint itself and
+# loads from disk when it differs, saying which field: `restart --strategy ipc` may run it anyway.
+fingerprints_match.forceable = lambda policy: policy.ipc["fallback"] is True
+
+
 def engine_cache_healthy(policy) -> str | None:
     """An engine's own weight cache (vLLM's `vllm preload`): its health endpoint must say ready."""
     from restartkit import http

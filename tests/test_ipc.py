@@ -101,18 +101,15 @@ def test_fingerprint_mismatch_falls_back_per_field(make_policy, sockdir, preload
         plan = json.loads(run_cli("plan", "--policy", policy, "--json").stdout)
         ipc = next(s for s in plan["strategies"] if s["strategy"] == "ipc")
         assert not ipc["eligible"] and any(f"{field} differs" in r for r in ipc["reasons"]), (field, ipc)
-        # forced anyway: the engine is started with ipc_cache and falls back, and says why
-        code, rec = restart(policy, "--strategy", "cold")  # keep a baseline from a clean restart
-        assert code == 0
-        from restartkit.policy import load_policy
-        from restartkit.service import Service
-        svc = Service(load_policy(policy))
-        svc.stop()
-        started = svc.start_engine("ipc", extra_args=svc.adapter.ipc_args(svc.policy))
-        load = started.stats["load"]
-        assert load["ipc"] == "fallback" and field in load["fallback_field"], (field, load)
-        assert load["source"] == "disk"
-        svc.stop()
+        assert ipc["forceable"] and plan["attempt"] != "ipc"  # auto never picks it
+        # asked for by name: the engine is started with ipc_cache, falls back to disk itself, and says why
+        code, rec = restart(policy, "--strategy", "ipc", "--strict")
+        assert code == 3 and rec["final_state"] == "serving" and rec["served_by"] == "ipc", (field, rec)
+        assert rec["via_recovery"] and f"fallback({field}" in rec["recovery_reason"], (field, rec["recovery_reason"])
+        proof = rec["attempts"][0]["proof"]
+        assert proof["ipc"] == "fallback" and proof["weight_source"] == "disk"
+        assert rec["proof"]["canary_identical"] is True
+        run_cli("stop", "--policy", policy)
 
 
 def test_fallback_off_fails_the_start_naming_the_field(make_policy, sockdir, preloads, service_cleanup):

@@ -76,6 +76,13 @@ def test_ipc_reasons_name_the_daemon_and_the_fields():
                               "expected": [{**fp, "dtype": "bfloat16"}]}
     reasons = all_strategies()["ipc"].check(f, policy()).reasons
     assert reasons == ["the daemon holds other weights than the engine wants: GPU-1: dtype differs (daemon 'float32', engine 'bfloat16')"]
+    # asked for by name with fallback on, the engine falls back itself: forceable; auto still goes cold
+    assert all_strategies()["ipc"].check(f, policy()).forceable
+    assert make_plan(f, policy(), "ipc", all_strategies()).attempt == "ipc"
+    assert make_plan(f, policy(), "auto", all_strategies()).attempt == "cold"
+    strict = parse_policy({"service": {"name": "s", "model": "/m"}, "ipc": {"fallback": False}})
+    assert not all_strategies()["ipc"].check(f, strict).forceable
+    assert make_plan(f, strict, "ipc", all_strategies()).attempt == "cold"
     p = parse_policy({"service": {"name": "s", "model": "/m", "engine_args": ["--enable-sleep-mode"]}})
     assert any("sleep mode" in r for r in all_strategies()["ipc"].check(f, p).reasons)
 
