@@ -299,3 +299,44 @@ def test_rollout_starts_the_cache_and_proves_it(make_policy, sockdir, service_cl
         assert "started the weight cache" in r.stderr
     finally:
         run_cli("weightcache", "release", "--policy", policy, "--stop", "--force")
+
+
+def test_two_launchers_as_two_nodes_rendezvous_and_serve_one_engine(make_policy, sockdir, preloads, service_cleanup):
+    """Multi-node, on one host: two launchers given --nnodes 2 and their --node-rank each serve their half
+    of the TP2 ranks, meet through the TCPStore on --weight-cache-master-port, and a TP2 engine attaches
+    rank 0 from one and rank 1 from the other."""
+    import urllib.request
+
+    from tests.conftest import free_port
+    policy = ipc_policy(make_policy, sockdir, service_extra="tensor_parallel_size = 2\n")
+    store, health = free_port(), [free_port(), free_port()]
+    procs = []
+    for node in (0, 1):
+        flags = ["--nnodes", "2", "--node-rank", str(node), "--weight-cache-master-port", str(store),
+                 "--health-port", str(health[node])]
+        procs.append(subprocess.Popen([sys.executable, "-m", "restartkit.cli", "preload", "--policy", str(policy), *flags],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT))
+        preloads.append(procs[-1])
+    views = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            views = [json.loads(urllib.request.urlopen(f"http://127.0.0.1:{h}/", timeout=2).read()) for h in health]
+            if all(v["state"] == "ready" and v["cluster_ready"] for v in views):
+                break
+        except OSError:
+            pass
+        time.sleep(0.2)
+    assert views and all(v["state"] == "ready" and v["cluster_ready"] for v in views), views
+    assert [[r["rank"] for r in v["ranks"]] for v in views] == [[0], [1]]  # each node its own half
+    service_cleanup(policy)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    code, rec = restart(policy, "--strategy", "ipc", "--strict")
+    assert code == 0, rec
+    assert rec["served_by"] == "ipc" and rec["attempts"][0]["proof"]["ranks"] == ["hit", "hit"]
+    assert rec["proof"]["canary_identical"] is True
+    # node 1's launcher stops: node 0 still serves its rank, and its cluster view names the node that went
+    procs[1].send_signal(signal.SIGTERM)
+    procs[1].wait(15)
+    v0 = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{health[0]}/", timeout=2).read())
+    assert v0["state"] == "ready" and v0["cluster_ready"] is False and v0["nodes"] == {"0": "ready", "1": "gone"}, v0

@@ -89,6 +89,7 @@ class Launcher:
         self.ranks: list[Rank] = []
         self.state = "loading"
         self.store = None
+        self._store_lock = threading.Lock()
 
     def spawn(self) -> None:
         uuids = expected_uuids(self.layout)
@@ -155,18 +156,46 @@ class Launcher:
         lay = self.layout
         self.store = TCPStore(lay.master_addr, lay.weight_cache_master_port, lay.nnodes, lay.node_rank == 0,
                               timeout=timedelta(seconds=self.timeout))
-        self.store.set(f"ready/{lay.node_rank}", "1")
+        self._heartbeat()
 
-    def cluster_ready(self) -> bool | None:
+    # Each node's launcher writes alive/<node> = its clock every second while its ranks serve, and
+    # deletes it when it stops; a node whose stamp is older than NODE_STALE_S is not ready.
+    NODE_STALE_S = 5.0
+
+    def _heartbeat(self) -> None:
+        with self._store_lock:
+            self.store.set(f"alive/{self.layout.node_rank}", repr(time.time()))
+
+    def node_states(self) -> dict[int, str] | None:
         if self.store is None:
             return None
+        out = {}
         try:
-            return all(self.store.check([f"ready/{n}"]) for n in range(self.layout.nnodes))
-        except Exception:
-            return False
+            with self._store_lock:
+                for n in range(self.layout.nnodes):
+                    key = f"alive/{n}"
+                    if not self.store.check([key]):
+                        out[n] = "gone"
+                        continue
+                    age = time.time() - float(self.store.get(key).decode())
+                    out[n] = "ready" if age < self.NODE_STALE_S else f"silent for {age:.0f} s"
+        except Exception as e:  # node 0 holds the store: without it nobody knows
+            return {n: f"unknown ({type(e).__name__}: the store on node 0 does not answer)" for n in range(self.layout.nnodes)}
+        return out
+
+    def cluster_ready(self) -> bool | None:
+        states = self.node_states()
+        return None if states is None else all(v == "ready" for v in states.values())
 
     def monitor(self, stop: threading.Event) -> None:
+        beat = 0.0
         while not stop.wait(0.2):
+            if self.store is not None and self.state == "ready" and time.monotonic() - beat >= 1.0:
+                try:
+                    self._heartbeat()
+                except Exception:
+                    pass
+                beat = time.monotonic()
             if self.state == "ready" and any(r.proc.poll() is not None for r in self.ranks):
                 dead = [r.spec["global"] for r in self.ranks if r.proc.poll() is not None]
                 self.state = "degraded"
@@ -174,6 +203,12 @@ class Launcher:
 
     def stop_all(self, timeout: float = 10.0) -> None:
         self.state = "stopping"
+        if self.store is not None:
+            try:
+                with self._store_lock:
+                    self.store.delete_key(f"alive/{self.layout.node_rank}")
+            except Exception:
+                pass
         for r in self.ranks:
             if r.proc.poll() is None:
                 r.proc.send_signal(signal.SIGTERM)
@@ -186,7 +221,9 @@ class Launcher:
                 r.proc.wait()
 
     def health(self) -> dict:
-        return {"state": self.state, "cluster_ready": self.cluster_ready(),
+        nodes = self.node_states()
+        return {"state": self.state, "cluster_ready": None if nodes is None else all(v == "ready" for v in nodes.values()),
+                "nodes": nodes,
                 "ranks": [{"rank": r.spec["global"], "tp_rank": r.spec["tp_rank"], "dp_rank": r.spec["dp_rank"],
                            "device": r.spec["device"], "draft": r.draft, "state": r.state,
                            "alive": r.proc.poll() is None, "pid": r.proc.pid} for r in self.ranks]}
