@@ -107,6 +107,18 @@ class Engine:
         if self.options.tp_size > 1:
             self._gather_load_results()
 
+    def warm_up_early(self, max_len: int = 256) -> None:
+        """Before activation, for an engine prepared beside the one it replaces: the first
+        forward pass's one-time costs (kernel loading, library set-up) paid on a small
+        temporary KV cache, so that activation is left with allocation and graph capture."""
+        def run():
+            self.model.allocate_kv_cache(min(max_len, self.options.max_model_len))
+            try:
+                self.warmup(1)
+            finally:
+                self.model.drop_kv_cache()
+        self._timed("early_warmup", run)
+
     def activate(self) -> None:
         """What needs the device to itself: KV cache, warm-up, graph capture."""
         self._timed("kv_cache_alloc", self.model.allocate_kv_cache, self.options.max_model_len)

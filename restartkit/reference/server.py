@@ -483,6 +483,8 @@ def _start_engine(engine, args, gate=None) -> None:
     if zero_copy:
         previous()
     if gate:
+        if zero_copy and engine.options.tp_size == 1:
+            engine.warm_up_early()  # beside the old engine: weights are shared, the cache is small
         gate()
     engine.activate()
 
