@@ -49,6 +49,29 @@ def _wait_state(path, proc, wanted: str, deadline_s: float) -> dict:
     raise RuntimeError(f"the new engine was not {wanted} within {deadline_s:.0f} s")
 
 
+def _spawn_prepared(service, name: str):
+    """Start the new engine in prepare-only mode; returns (process, its status file)."""
+    status_path = service.state_dir / "overlap-status.json"
+    status_path.unlink(missing_ok=True)
+    args = service.adapter.ipc_args(service.policy) + ["--prepare-only", "--status-file", str(status_path)]
+    new, _ = service.spawn(name, args)
+    return new, status_path
+
+
+def _activate(service, new, status_path, out: Outcome, old) -> tuple[str, dict]:
+    """SIGUSR1, wait until active, and require a weight-cache hit; returns (private URL, its stats)."""
+    os.kill(new.pid, signal.SIGUSR1)
+    st = _wait_state(status_path, new, "active", service.policy.restart["start_timeout_s"])
+    private = f"http://127.0.0.1:{st['admin_port']}"
+    new_stats = http.get(private + "/admin/stats", timeout=10)
+    load = new_stats.get("load") or {}
+    out.proof.update(ipc=load.get("ipc"), mode=load.get("mode"), attach_s=load.get("attach_s"),
+                     new_pid=new.pid, old_pid=old.pid, private_port=st["admin_port"])
+    if load.get("ipc") != "hit":
+        raise RuntimeError(f"the new engine did not attach from the weight cache: {load.get('ipc')}({load.get('fallback_reason')})")
+    return private, new_stats
+
+
 def overlapped_ipc(service, facts, strategy_name: str = "ipc") -> Outcome:
     pol = service.policy
     phases: dict[str, float] = {}
@@ -77,26 +100,14 @@ def overlapped_ipc(service, facts, strategy_name: str = "ipc") -> Outcome:
                      "the old one stopped")
         out.old_still_serving = True
         return out
-    status_path = service.state_dir / "overlap-status.json"
-    status_path.unlink(missing_ok=True)
-    args = service.adapter.ipc_args(pol) + ["--prepare-only", "--status-file", str(status_path)]
     t0 = time.monotonic()
-    new, log_offset = service.spawn("ipc-overlap", args)
-    deadline = pol.restart["start_timeout_s"]
+    new, status_path = _spawn_prepared(service, "ipc-overlap")
     try:
-        st = _wait_state(status_path, new, "prepared", deadline)
+        _wait_state(status_path, new, "prepared", pol.restart["start_timeout_s"])
         phases["prepare"] = round(time.monotonic() - t0, 4)
         t1 = time.monotonic()
-        os.kill(new.pid, signal.SIGUSR1)
-        st = _wait_state(status_path, new, "active", deadline)
+        private, new_stats = _activate(service, new, status_path, out, old)
         phases["activate"] = round(time.monotonic() - t1, 4)
-        private = f"http://127.0.0.1:{st['admin_port']}"
-        new_stats = http.get(private + "/admin/stats", timeout=10)
-        load = new_stats.get("load") or {}
-        out.proof.update(ipc=load.get("ipc"), mode=load.get("mode"), attach_s=load.get("attach_s"),
-                         new_pid=new.pid, old_pid=old.pid, private_port=st["admin_port"])
-        if load.get("ipc") != "hit":
-            raise RuntimeError(f"the new engine did not attach from the weight cache: {load.get('ipc')}({load.get('fallback_reason')})")
         # checked alone, before it takes a single public request
         out.proof["new_engine_canary"] = _canary_at(service, private)
         os.kill(new.pid, signal.SIGUSR2)
@@ -129,14 +140,10 @@ def _prestart(service, old, out: Outcome) -> Outcome:
         out.error = "prestart needs [ipc] mode = 'zero_copy' (copied weights would need their memory beside the old engine's)"
         out.old_still_serving = True
         return out
-    status_path = service.state_dir / "overlap-status.json"
-    status_path.unlink(missing_ok=True)
-    args = service.adapter.ipc_args(pol) + ["--prepare-only", "--status-file", str(status_path)]
     t0 = time.monotonic()
-    new, _ = service.spawn("ipc-prestart", args)
-    deadline = pol.restart["start_timeout_s"]
+    new, status_path = _spawn_prepared(service, "ipc-prestart")
     try:
-        _wait_state(status_path, new, "prepared", deadline)
+        _wait_state(status_path, new, "prepared", pol.restart["start_timeout_s"])
     except Exception as e:
         new.stop(timeout_s=5)
         out.error = f"the new engine failed before the old one was stopped: {e}"
@@ -147,16 +154,8 @@ def _prestart(service, old, out: Outcome) -> Outcome:
     out.proof["old_stop"] = service.stop()  # drained, exited: its KV cache is free
     phases["stop_old"] = round(time.monotonic() - t1, 4)
     try:
-        os.kill(new.pid, signal.SIGUSR1)
-        st = _wait_state(status_path, new, "active", deadline)
+        private, new_stats = _activate(service, new, status_path, out, old)
         phases["activate"] = round(time.monotonic() - t1 - phases["stop_old"], 4)
-        private = f"http://127.0.0.1:{st['admin_port']}"
-        new_stats = http.get(private + "/admin/stats", timeout=10)
-        load = new_stats.get("load") or {}
-        out.proof.update(ipc=load.get("ipc"), mode=load.get("mode"), attach_s=load.get("attach_s"),
-                         new_pid=new.pid, old_pid=old.pid, private_port=st["admin_port"])
-        if load.get("ipc") != "hit":
-            raise RuntimeError(f"the new engine did not attach from the weight cache: {load.get('ipc')}({load.get('fallback_reason')})")
         # every check here is downtime: one canary prompt before the port opens, all of them by the restart's verify
         out.proof["new_engine_canary"] = _canary_at(service, private, first_only=True)
         os.kill(new.pid, signal.SIGUSR2)

@@ -242,6 +242,11 @@ class Service:
         deadline = t0 + r["stop_timeout_s"]
         while time.monotonic() < deadline and proc.alive() and self.port_listening():
             time.sleep(0.005)
+        if proc.alive() and self.port_listening():  # ignored SIGTERM and still holds the port: kill it now
+            h.how = proc.stop(timeout_s=0, signalled=True)
+            h.exit_s = h.port_free_s = round(time.monotonic() - t0, 4)
+            self.pidfile.unlink(missing_ok=True)
+            return h
         h.port_free_s = round(time.monotonic() - t0, 4)
         self.pidfile.unlink(missing_ok=True)
 

@@ -41,6 +41,7 @@ def child(preset: str) -> dict:
 
     timed("cuda_init", lambda: torch.cuda.set_device(0))
     from restartkit.reference.checkpoint import PRESETS
+    from restartkit.reference.engine import capture_decode
     from restartkit.reference.model import SINGLE
     from restartkit.reference.weights import build_model
     cfg = PRESETS[preset].config
@@ -55,21 +56,7 @@ def child(preset: str) -> dict:
         prompt = torch.tensor([1, 2, 3, 4], device=dev)
         timed("first_prefill", lambda: model(prompt, torch.arange(4, device=dev))[-1].float().cpu())
         timed("first_decode", lambda: model(torch.tensor([5], device=dev), torch.tensor([4], device=dev))[0].cpu())
-
-        def capture():
-            tok = torch.zeros(1, dtype=torch.long, device=dev)
-            pos = torch.zeros(1, dtype=torch.long, device=dev)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    model(tok, pos)
-            torch.cuda.current_stream().wait_stream(stream)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                model(tok, pos)
-            return g
-        timed("graph_capture", capture)
+        timed("graph_capture", lambda: capture_decode(model, dev))
         timed("second_prefill", lambda: model(prompt, torch.arange(4, device=dev))[-1].float().cpu())
     return {k: round(v, 4) for k, v in t.items()}
 

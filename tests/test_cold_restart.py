@@ -173,3 +173,46 @@ def test_a_new_engine_waits_for_the_one_it_replaces(monkeypatch):
     finally:
         other.kill()
         other.wait()
+
+
+STUBBORN = """
+import http.server, signal, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(503)
+        self.end_headers()
+    do_POST = do_GET
+    def log_message(self, *a):
+        pass
+srv = http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H)
+print("up", flush=True)
+srv.serve_forever()
+"""
+
+
+def test_an_engine_that_ignores_sigterm_is_killed_and_replaced(make_policy, service_cleanup):
+    """The fault: the running engine ignores SIGTERM and keeps its port.  The restart waits the stop
+    timeout, kills it, and only then starts the new engine on that port."""
+    import subprocess
+    import sys
+
+    from restartkit.policy import load_policy
+    from restartkit.service import Service
+    policy = make_policy()
+    policy.write_text(policy.read_text().replace("stop_timeout_s = 10", "stop_timeout_s = 1"))
+    service_cleanup(policy)
+    port = int(policy.read_text().split("port = ")[1].split()[0])
+    stubborn = subprocess.Popen([sys.executable, "-c", STUBBORN, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert stubborn.stdout.readline().strip() == "up"
+        Service(load_policy(policy)).adopt(stubborn.pid, "cold")  # restartkit takes it for its engine
+        r = run_cli("restart", "--policy", policy, "--strategy", "cold", "--json")
+        assert r.returncode == 0, r.stdout + r.stderr
+        rec = json.loads(r.stdout)
+        assert rec["final_state"] == "serving" and rec["served_by"] == "cold"
+        assert rec["attempts"][0]["phases"]["stop"] >= 1.0  # waited the stop timeout, then killed
+        assert stubborn.wait(timeout=10) == -9
+    finally:
+        if stubborn.poll() is None:
+            stubborn.kill()

@@ -188,22 +188,8 @@ class Engine:
         self._generate_locked([self.config.bos_token_id, 1, 2, 3], max_tokens=max_tokens, temperature=0.0, seed=0,
                               want_logprobs=False)
 
-    @torch.inference_mode()
     def capture_decode_graph(self) -> None:
-        dev = self.device
-        tok = torch.zeros(1, dtype=torch.long, device=dev)
-        pos = torch.zeros(1, dtype=torch.long, device=dev)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.model(tok, pos)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self.model(tok, pos)
-        self._graph = graph
-        self._static = {"tok": tok, "pos": pos, "out": out}
+        self._graph, self._static = capture_decode(self.model, self.device)
 
     def drop_graph(self) -> None:
         self._graph, self._static = None, {}
@@ -334,6 +320,24 @@ class Engine:
         if self.model is None:
             return 0
         return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.device.type != "meta")
+
+
+@torch.inference_mode()
+def capture_decode(model, dev: torch.device):
+    """A CUDA graph of one decode step (token and position as static inputs), after two
+    eager runs on a side stream; returns (graph, {"tok", "pos", "out"})."""
+    tok = torch.zeros(1, dtype=torch.long, device=dev)
+    pos = torch.zeros(1, dtype=torch.long, device=dev)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            model(tok, pos)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = model(tok, pos)
+    return graph, {"tok": tok, "pos": pos, "out": out}
 
 
 def set_tensor(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
