@@ -21,18 +21,30 @@ from restartkit.restart import restart
 from restartkit.service import Service
 
 
+SERVE_ONLY = {"--host": 1, "--port": 1, "--enable-sleep-mode": 0}  # flag -> how many values follow it
+
+
 def vllm_preload_argv(policy) -> list[str]:
-    """`vllm preload` for the policy's model and layout, health on loopback."""
-    s, i = policy.service, policy.ipc
-    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "preload", "--model", s["model"],
-            "--tensor-parallel-size", str(s["tensor_parallel_size"]),
+    """`vllm preload` with the engine's own arguments (vLLM's preload takes the same engine
+    arguments as `vllm serve`, so the daemons' fingerprint matches what the engine will ask for),
+    the socket directory when the policy names one, and its health endpoint on loopback."""
+    from restartkit.engines.vllm import VLLMAdapter
+    engine, skip = [], 0
+    for a in VLLMAdapter().launch(policy).argv[3:]:
+        if skip:
+            skip -= 1
+        elif a in SERVE_ONLY:
+            skip = SERVE_ONLY[a]
+        else:
+            engine.append(a)
+    i = policy.ipc
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "preload", *engine,
             "--weight-cache-health-host", i["health_host"], "--weight-cache-health-port", str(i["health_port"])]
-    if s["revision"]:
-        argv += ["--revision", s["revision"]]
-    if s["data_parallel_size"] > 1:
-        argv += ["--data-parallel-size", str(s["data_parallel_size"])]
-    if s["expert_parallel"]:
-        argv.append("--enable-expert-parallel")
+    if i["socket_dir"]:
+        argv += ["--weight-cache-socket-dir", i["socket_dir"]]
+    if i["nnodes"] > 1:
+        argv += ["--nnodes", str(i["nnodes"]), "--node-rank", str(i["node_rank"]), "--master-addr", i["master_addr"],
+                 "--weight-cache-master-port", str(i["weight_cache_master_port"])]
     return argv
 
 

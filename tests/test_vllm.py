@@ -175,14 +175,21 @@ def test_vllm_launch_and_features():
 def test_rollout_builds_vllm_preload_with_the_policy_layout():
     from restartkit.policy import parse_policy
     from restartkit.rollout import vllm_preload_argv
-    p = parse_policy({"service": {"name": "v", "engine": "vllm", "model": "org/m", "device": "cuda",
-                                  "tensor_parallel_size": 4, "revision": "ab" * 20},
-                      "ipc": {"health_port": 8099}})
+    p = parse_policy({"service": {"name": "v", "engine": "vllm", "model": "org/m", "device": "cuda", "dtype": "bfloat16",
+                                  "tensor_parallel_size": 4, "revision": "ab" * 20, "port": 8123,
+                                  "engine_args": ["--quantization", "fp8"]},
+                      "ipc": {"health_port": 8099, "socket_dir": "/run/wc"}})
     argv = vllm_preload_argv(p)
     assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "preload", "--model"]
     i = argv.index("--weight-cache-health-host")
     assert argv[i + 1] == "127.0.0.1" and argv[argv.index("--weight-cache-health-port") + 1] == "8099"
     assert argv[argv.index("--tensor-parallel-size") + 1] == "4" and "--revision" in argv
+    # the engine's own arguments (so the fingerprint matches), not the server's
+    assert argv[argv.index("--dtype") + 1] == "bfloat16" and argv[argv.index("--quantization") + 1] == "fp8"
+    assert "--port" not in argv and "--host" not in argv and "8123" not in argv
+    assert argv[argv.index("--weight-cache-socket-dir") + 1] == "/run/wc"
+    cfg = json.loads(VLLMAdapter().ipc_args(p)[-1])
+    assert cfg["socket_dir"] == "/run/wc" and set(cfg) == {"mode", "fallback", "connect_timeout_s", "state_timeout_s", "socket_dir"}
 
 
 def test_vllm_sleep_needs_dev_mode_on_loopback_and_says_what_it_costs():

@@ -100,6 +100,8 @@ class VLLMAdapter(EngineAdapter):
     def ipc_args(self, policy) -> list[str]:
         i = policy.ipc
         cfg = {k: i[k] for k in ("mode", "fallback", "connect_timeout_s", "state_timeout_s")}
+        if i["socket_dir"]:
+            cfg["socket_dir"] = i["socket_dir"]  # the loader's key for `vllm preload --weight-cache-socket-dir`
         return ["--load-format", "ipc_cache", "--model-loader-extra-config", json.dumps(cfg)]
 
     # ---- sleep mode (POST /sleep, GET /is_sleeping, POST /wake_up, POST /collective_rpc) ----
