@@ -54,7 +54,11 @@ def not_zero_copy_ipc(facts: Facts, policy) -> str | None:
 def host_memory_for_level_1(facts: Facts, policy) -> str | None:
     if policy.sleep["level"] != 1:
         return None
-    need = _stats(facts).get("weight_bytes") or 0
+    need = _stats(facts).get("weight_bytes")
+    if not need:  # engines that do not report it (vLLM): the checkpoint's size
+        from restartkit.engines import get_adapter
+        adapter = get_adapter(policy.service["engine"])[0]
+        need = (adapter.sleep_expected_bytes(policy, {}) if adapter else None) or 0
     if need > facts.host.mem_available_bytes:
         return (f"level 1 parks {need / 1e9:.1f} GB of weights in host memory and only "
                 f"{facts.host.mem_available_bytes / 1e9:.1f} GB are available; use [sleep] level = 2")

@@ -219,3 +219,21 @@ def test_sglang_adapter_says_it_is_unverified():
     assert any("NOT run against a running SGLang" in n for n in a.plan_notes(p))
     assert a.feature_problems(p)["sleep"] is None and "not verified" in a.feature_problems(p)["ipc"]
     assert not a.can_confirm_sleep and a.sleep_needs_reload
+
+
+def test_vllm_level_1_needs_host_memory_for_the_checkpoint(tmp_path):
+    """vLLM does not report its weights' size: level 1 is judged by the checkpoint's."""
+    from restartkit.facts import CriuFacts, HostFacts
+    from restartkit.policy import parse_policy
+    from restartkit.strategies.base import Facts, ServiceFacts
+    from restartkit.strategies.sleep import host_memory_for_level_1
+    (tmp_path / "model-00001-of-00001.safetensors").write_bytes(b"\0" * 4096)
+    p = parse_policy({"service": {"name": "v", "engine": "vllm", "model": str(tmp_path), "device": "cuda"},
+                      "sleep": {"enabled": True, "level": 1}})
+    host = HostFacts(arch="x86_64", kernel="6.1", uid=0, user="root", passwordless_sudo=True, machine_id="m",
+                     python="3.11", cpu_count=2, mem_total_bytes=1 << 30, mem_available_bytes=1000,
+                     io_uring_disabled=2, criu=CriuFacts(path=None, source="", version=None, check_ok=False))
+    f = Facts(host=host, service=ServiceFacts(engine="vllm"))
+    assert "parks 0.0 GB" in host_memory_for_level_1(f, p) and "level = 2" in host_memory_for_level_1(f, p)
+    f.host.mem_available_bytes = 1 << 20
+    assert host_memory_for_level_1(f, p) is None
