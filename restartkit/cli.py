@@ -9,7 +9,7 @@ import sys
 import click
 
 from restartkit import __version__
-from restartkit.errors import EXIT_NOT_SERVING, EXIT_SERVING, EXIT_USAGE, RestartkitError
+from restartkit.errors import EXIT_NOT_SERVING, EXIT_SERVING, RestartkitError
 from restartkit.options import json_option, policy_option, reason_option, state_dir_option, strategy_option
 
 

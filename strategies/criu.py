@@ -17,7 +17,6 @@ class CriuStrategy(BaseStrategy):
     prerequisites = [adapter_available, model_loadable, *PREREQUISITES]
 
     def execute(self, service, facts: Facts) -> Outcome:
-        from restartkit.snapshot.criu import CriuError
         from restartkit.snapshot.ops import restore, store_for
         store = store_for(service)
         snap = store.current()

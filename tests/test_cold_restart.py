@@ -49,7 +49,7 @@ def test_cold_restart_is_proven_by_an_identical_canary(make_policy, service_clea
 def test_openai_client_is_token_identical_across_a_restart(make_policy, service_cleanup):
     openai = pytest.importorskip("openai")
     policy = make_policy()
-    info = start(policy, service_cleanup)
+    start(policy, service_cleanup)
     port = int(policy.read_text().split("port = ")[1].split()[0])
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
     model = client.models.list().data[0].id
