@@ -118,7 +118,8 @@ class IPCStrategy(BaseStrategy):
         with open(service.log_path, "rb") as f:
             f.seek(started.log_offset)
             text = f.read().decode(errors="replace")
-        verdict = parse_ipc_log(text, service.policy.service["tensor_parallel_size"])
+        s = service.policy.service
+        verdict = parse_ipc_log(text, s["tensor_parallel_size"] * s["data_parallel_size"])
         out = Outcome(self.name, ok=True, phases=phases, engine_phases=started.engine_phases,
                       proof={"ipc": verdict["ipc"], "ranks": verdict["ranks"], "source": "engine log"})
         if verdict["ipc"] == "unknown":

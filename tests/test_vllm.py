@@ -144,15 +144,23 @@ MIXED_TP2 = """\
 
 
 def test_vllm_log_says_hit_fallback_or_mixed():
-    hit = parse_ipc_log(HIT_TP2, tp_size=2)
-    assert hit["ipc"] == "hit" and set(hit["ranks"]) == {"0", "1"}
-    fb = parse_ipc_log(FALLBACK_TP2, tp_size=2)
+    hit = parse_ipc_log(HIT_TP2, world_size=2)
+    assert hit["ipc"] == "hit" and set(hit["ranks"]) == {"Worker_TP0", "Worker_TP1"}
+    fb = parse_ipc_log(FALLBACK_TP2, world_size=2)
     assert fb["ipc"] == "fallback" and fb["summary"] == "fallback(Weight cache fingerprint mismatch: dtype)"
-    mixed = parse_ipc_log(MIXED_TP2, tp_size=2)
+    mixed = parse_ipc_log(MIXED_TP2, world_size=2)
     assert mixed["ipc"] == "mixed" and "no daemon socket" in mixed["summary"]
     # one rank's hit is not a hit of the whole engine
-    assert parse_ipc_log(HIT_TP2.splitlines()[0], tp_size=2)["ipc"] == "mixed"
-    assert parse_ipc_log("INFO starting", tp_size=1)["ipc"] == "unknown"
+    assert parse_ipc_log(HIT_TP2.splitlines()[0], world_size=2)["ipc"] == "mixed"
+    assert parse_ipc_log("INFO starting", world_size=1)["ipc"] == "unknown"
+    # data parallel: the same TP rank in two engines is two ranks (vLLM names them Worker_DP<d>_TP<t>)
+    dp = "\n".join(f"(Worker_DP{d}_TP{t} pid={4100 + 2 * d + t}) INFO 11-30 09:12:01 [ipc_loader.py:322] Mapped 291 "
+                   "tensors from the weight cache daemon (zero_copy mode)" for d in (0, 1) for t in (0, 1))
+    assert parse_ipc_log(dp, world_size=4)["ipc"] == "hit"
+    lost = dp.replace("(Worker_DP1_TP0 pid=4102) INFO 11-30 09:12:01 [ipc_loader.py:322] Mapped 291 tensors from the weight "
+                      "cache daemon (zero_copy mode)", "(Worker_DP1_TP0 pid=4102) WARNING 11-30 09:12:01 [ipc_loader.py:253] "
+                      "Weight cache unusable (no daemon socket for GPU-2); falling back to disk loading")
+    assert parse_ipc_log(lost, world_size=4)["summary"] == "mixed(no daemon socket for GPU-2)"
 
 
 def test_vllm_launch_and_features():

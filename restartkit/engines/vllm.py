@@ -20,7 +20,8 @@ from restartkit.engines.base import EngineAdapter, LaunchSpec, python
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 HIT = re.compile(r"Mapped (\d+) tensors from the weight cache daemon \((\w+) mode\)")
 FALLBACK = re.compile(r"Weight cache (?:unusable \((.*)\)|IPC loading failed); falling back to disk loading")
-RANK = re.compile(r"\((?:[A-Za-z_:]*?)(?:TP|_TP|Worker_TP|rank)[ _]?(\d+)[^)]*\)|\((?:VllmWorker|Worker)[ -_]?(\d+)")
+# vLLM prefixes each process's lines with its name: "(Worker_DP1_TP0 pid=4102)", "(EngineCore_DP0 pid=..)"
+PROCESS = re.compile(r"\(([A-Za-z][\w-]*) pid=(\d+)\)")
 
 
 def _version(dist: str) -> str | None:
@@ -174,16 +175,16 @@ def _tree_cmdline(pid: int) -> str:
         return ""
 
 
-def parse_ipc_log(text: str, tp_size: int) -> dict:
-    """hit, fallback(reason) or mixed, from vLLM's own log lines, per rank."""
+def parse_ipc_log(text: str, world_size: int) -> dict:
+    """hit, fallback(reason) or mixed, from vLLM's own log lines, per rank (per process name:
+    Worker_TP1, Worker_DP1_TP0, ...).  A hit needs a hit line from every one of world_size ranks."""
     ranks: dict[str, dict] = {}
     for line in text.splitlines():
         m_hit, m_fb = HIT.search(line), FALLBACK.search(line)
         if not (m_hit or m_fb):
             continue
-        rm = RANK.search(line)
-        rank = next((g for g in rm.groups() if g is not None), "?") if rm else "?"
-        key = rank if rank != "?" else f"?{len(ranks)}"
+        pm = PROCESS.search(line)
+        key = pm.group(1) if pm else f"?{len(ranks)}"
         if m_hit:
             ranks[key] = {"result": "hit", "tensors": int(m_hit.group(1)), "mode": m_hit.group(2)}
         else:
@@ -191,7 +192,7 @@ def parse_ipc_log(text: str, tp_size: int) -> dict:
     results = {r["result"] for r in ranks.values()}
     if not ranks:
         verdict = "unknown"
-    elif results == {"hit"} and len(ranks) >= tp_size:
+    elif results == {"hit"} and len(ranks) >= world_size:
         verdict = "hit"
     elif "hit" in results:
         verdict = "mixed"
