@@ -71,15 +71,27 @@ def ensure_cache(service: Service, say) -> str:
         except http.HTTPFailure:
             pass
         service.ensure_state_dir()
-        with open(service.state_dir / "vllm-preload.log", "ab") as log:
-            subprocess.Popen(vllm_preload_argv(pol), stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+        log_path = service.state_dir / "vllm-preload.log"
+        with open(log_path, "ab") as log:
+            offset = log.tell()
+            proc = subprocess.Popen(vllm_preload_argv(pol), stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
         deadline = time.monotonic() + i["startup_timeout_s"]
         while time.monotonic() < deadline:
             try:
                 http.get(url, timeout=3)
-                return "started vllm preload"
+                return f"started vllm preload (PID {proc.pid})"
             except http.HTTPFailure:
-                time.sleep(1)
+                pass
+            if proc.poll() is not None:
+                with open(log_path, "rb") as f:
+                    f.seek(offset)
+                    tail = f.read().decode(errors="replace").strip().splitlines()[-3:]
+                raise StrategyError(f"vllm preload exited with code {proc.returncode} before it was healthy: "
+                                    + (" | ".join(tail) or "no output"),
+                                    hint=f"see {log_path}; `vllm preload` needs vLLM 0.31 or newer on CUDA/ROCm")
+            time.sleep(0.5)
+        proc.terminate()
         raise StrategyError(f"vllm preload was not healthy at {url} within {i['startup_timeout_s']:.0f} s",
                             hint=f"see {service.state_dir}/vllm-preload.log")
     raise StrategyError(f"rollout does not know how to start the {pol.service['engine']} weight cache")

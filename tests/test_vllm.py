@@ -245,3 +245,17 @@ def test_vllm_level_1_needs_host_memory_for_the_checkpoint(tmp_path):
     assert "parks 0.0 GB" in host_memory_for_level_1(f, p) and "level = 2" in host_memory_for_level_1(f, p)
     f.host.mem_available_bytes = 1 << 20
     assert host_memory_for_level_1(f, p) is None
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_rollout_says_at_once_when_vllm_preload_cannot_start(make_policy, vllm_model, service_cleanup):
+    """The installed vLLM (the CPU build) has no `preload`: rollout must say so within seconds,
+    with vLLM's own words, not wait out the cache's start-up timeout."""
+    import time
+    policy = _vllm_policy(make_policy, vllm_model, service_cleanup)
+    policy.write_text(policy.read_text() + "\n[ipc]\nhealth_port = 18099\nstartup_timeout_s = 600\n")
+    t0 = time.monotonic()
+    r = run_cli("rollout", "--policy", policy, timeout=300)
+    assert r.returncode != 0 and time.monotonic() - t0 < 120
+    assert "vllm preload exited with code" in r.stderr and "preload" in r.stderr, r.stderr
