@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from restartkit.engines.base import EngineAdapter
 
-NOT_BUILT = {"command": "the generic command adapter is not built yet"}
-
 
 def get_adapter(name: str) -> tuple[EngineAdapter | None, str | None]:
     """(adapter, None) or (None, why not)."""
@@ -17,4 +15,7 @@ def get_adapter(name: str) -> tuple[EngineAdapter | None, str | None]:
     if name == "sglang":
         from restartkit.engines.sglang import SGLangAdapter
         return SGLangAdapter(), None
-    return None, NOT_BUILT.get(name, f"engine {name!r} is not supported")
+    if name == "command":
+        from restartkit.engines.command import CommandAdapter
+        return CommandAdapter(), None
+    return None, f"engine {name!r} is not supported (reference, vllm, sglang or command)"

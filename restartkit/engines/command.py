@@ -1,0 +1,83 @@
+"""Any OpenAI-compatible server started by a command: `[service] engine = "command"`
+and `command = ["my-server", "--model", "{model}", "--port", "{port}"]`.
+
+Placeholders: {model}, {host}, {port}, {max_model_len}, {tensor_parallel_size},
+{served_model_name}.  restartkit knows nothing else of the engine: readiness is a
+real completion, the canary compares token ids when the server returns them,
+else the tokens of its logprobs, else the text (the record says which), and of
+the fast paths only criu applies (it snapshots any process tree).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+from restartkit import http
+from restartkit.engines.base import EngineAdapter, LaunchSpec
+
+PLACEHOLDERS = ("model", "host", "port", "max_model_len", "tensor_parallel_size", "served_model_name")
+
+
+class CommandAdapter(EngineAdapter):
+    name = "command"
+
+    def _values(self, policy) -> dict:
+        s = policy.service
+        return {"model": s["model"], "host": s["host"], "port": s["port"], "max_model_len": s["max_model_len"],
+                "tensor_parallel_size": s["tensor_parallel_size"], "served_model_name": self.served_name(policy)}
+
+    def launch(self, policy, extra_args=()) -> LaunchSpec:
+        values = self._values(policy)
+        try:
+            argv = [a.format(**values) for a in policy.service["command"]]
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"[service] command has a placeholder restartkit does not know ({e}); "
+                             f"known: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}") from None
+        return LaunchSpec(argv=argv + list(policy.service["engine_args"]) + list(extra_args),
+                          env=dict(policy.service["env"]))
+
+    def model_problem(self, policy) -> str | None:
+        cmd = policy.service["command"]
+        if not cmd:
+            return "[service] command is empty: give the engine's argv"
+        exe = cmd[0]
+        if os.sep in exe:
+            if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
+                return f"[service] command[0] {exe!r} is not an executable file"
+        elif shutil.which(exe) is None:
+            return f"[service] command[0] {exe!r} is not on PATH ({os.environ.get('PATH', '')})"
+        try:
+            self.launch(policy)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def version(self) -> str | None:
+        return None
+
+    def served_name(self, policy) -> str:
+        return policy.service["model"]
+
+    def feature_problems(self, policy) -> dict[str, str | None]:
+        return {"ipc": "a generic command engine has no loader for restartkit's weight cache",
+                "sleep": "a generic command engine has no sleep interface restartkit knows"}
+
+    def completion(self, policy, prompt, max_tokens: int, timeout: float = 60.0) -> dict:
+        body = {"model": self.served_name(policy), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "return_token_ids": True, "logprobs": 1}
+        return http.post(self.base_url(policy) + "/v1/completions", body, timeout=timeout)
+
+    def canary(self, policy) -> list[list]:
+        r = policy.restart
+        return [canary_tokens(self.completion(policy, p, r["canary_max_tokens"])["choices"][0])
+                for p in r["canary_prompts"]]
+
+
+def canary_tokens(choice: dict) -> list:
+    """The most exact thing the server gave: token ids, else its logprobs' tokens, else the text."""
+    if choice.get("token_ids") is not None:
+        return list(choice["token_ids"])
+    tokens = (choice.get("logprobs") or {}).get("tokens")
+    if tokens:
+        return ["tok:" + t for t in tokens]
+    return ["text:" + (choice.get("text") or "")]

@@ -1,0 +1,54 @@
+"""engine = "command": any OpenAI-compatible server started by a command (here the
+reference server, started the way a user would start their own), restarted and
+proven like the others; a missing binary is named before anything stops."""
+import json
+import sys
+
+import pytest
+
+from restartkit.engines.command import canary_tokens
+from tests.conftest import run_cli
+
+
+def command_policy(make_policy, tiny_model, argv):
+    policy = make_policy(service_extra=f"command = {json.dumps(argv)}\n")
+    policy.write_text(policy.read_text().replace('engine = "reference"', 'engine = "command"'))
+    return policy
+
+
+SERVER = [sys.executable, "-m", "restartkit.reference.server", "--model", "{model}", "--host", "{host}",
+          "--port", "{port}", "--max-model-len", "{max_model_len}", "--served-model-name", "{served_model_name}"]
+
+
+@pytest.mark.slow
+def test_a_command_engine_restarts_cold_with_an_identical_canary(make_policy, tiny_model, service_cleanup):
+    policy = command_policy(make_policy, tiny_model, SERVER)
+    service_cleanup(policy)
+    r = run_cli("start", "--policy", policy)
+    assert r.returncode == 0, r.stdout + r.stderr
+    plan = json.loads(run_cli("plan", "--policy", policy, "--json").stdout)
+    reasons = {s["strategy"]: " ".join(s["reasons"]) for s in plan["strategies"]}
+    assert "generic command engine" in reasons["ipc"] and "generic command engine" in reasons["sleep"]
+    assert plan["attempt"] == "cold"
+    r = run_cli("restart", "--policy", policy, "--strategy", "auto", "--json")
+    rec = json.loads(r.stdout)
+    assert r.returncode == 0 and rec["served_by"] == "cold" and rec["proof"]["canary_identical"] is True, rec
+    assert all(isinstance(t, int) for t in rec["proof"]["after"][0])  # this server gives token ids
+
+
+def test_a_missing_command_is_named_before_anything_stops(make_policy, tiny_model, tmp_path):
+    policy = command_policy(make_policy, tiny_model, [str(tmp_path / "no-such-server"), "--port", "{port}"])
+    r = run_cli("start", "--policy", policy)
+    assert r.returncode != 0 and "no-such-server" in r.stderr and "not an executable file" in r.stderr
+    plan = json.loads(run_cli("plan", "--policy", policy, "--json").stdout)
+    assert plan["attempt"] is None
+    policy = command_policy(make_policy, tiny_model, ["server-nobody-installed", "--port", "{port}"])
+    assert "is not on PATH" in run_cli("start", "--policy", policy).stderr
+    policy = command_policy(make_policy, tiny_model, [sys.executable, "--gpu", "{gpu}"])
+    assert "placeholder" in run_cli("start", "--policy", policy).stderr
+
+
+def test_canary_uses_the_most_exact_answer_the_server_gives():
+    assert canary_tokens({"token_ids": [5, 6], "text": "ab"}) == [5, 6]
+    assert canary_tokens({"logprobs": {"tokens": ["a", "b"]}, "text": "ab"}) == ["tok:a", "tok:b"]
+    assert canary_tokens({"text": "ab"}) == ["text:ab"]
