@@ -52,3 +52,24 @@ def test_canary_uses_the_most_exact_answer_the_server_gives():
     assert canary_tokens({"token_ids": [5, 6], "text": "ab"}) == [5, 6]
     assert canary_tokens({"logprobs": {"tokens": ["a", "b"]}, "text": "ab"}) == ["tok:a", "tok:b"]
     assert canary_tokens({"text": "ab"}) == ["text:ab"]
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_a_command_engine_is_snapshotted_and_restored_by_criu(make_policy, tiny_model, service_cleanup):
+    import os
+
+    from restartkit.facts import criu_facts
+    if os.getuid() != 0 or not criu_facts().check_ok:
+        pytest.skip("needs root and a working CRIU (scripts/install-criu)")
+    policy = command_policy(make_policy, tiny_model, SERVER)
+    policy.write_text(policy.read_text() + "\n[criu]\npid_wait_s = 5.0\n")
+    service_cleanup(policy)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    r = run_cli("snapshot", "create", "--policy", policy, "--json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(run_cli("plan", "--policy", policy, "--json").stdout)
+    assert plan["attempt"] == "criu", plan
+    r = run_cli("restart", "--policy", policy, "--strategy", "criu", "--strict", "--json")
+    rec = json.loads(r.stdout)
+    assert r.returncode == 0 and rec["served_by"] == "criu" and rec["proof"]["canary_identical"] is True, rec
