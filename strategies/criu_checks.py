@@ -95,8 +95,8 @@ def snapshot_ready(facts: Facts, policy) -> str | None:
 def revision_pinned(facts: Facts, policy) -> str | None:
     import os
     svc = policy.service
-    if svc["revision"] or os.path.isdir(os.path.expanduser(svc["model"])):
-        return None  # a local checkpoint is pinned by its content digest in the snapshot's identity
+    if svc["revision"] or os.path.exists(os.path.expanduser(svc["model"])):
+        return None  # a local checkpoint (directory or single file) is pinned in the snapshot's identity
     return (f"a snapshot is tied to exact weights: {svc['model']} is a hub id, so pin [service] revision "
             "to a 40-character commit id")
 

@@ -73,3 +73,24 @@ def test_a_command_engine_is_snapshotted_and_restored_by_criu(make_policy, tiny_
     r = run_cli("restart", "--policy", policy, "--strategy", "criu", "--strict", "--json")
     rec = json.loads(r.stdout)
     assert r.returncode == 0 and rec["served_by"] == "criu" and rec["proof"]["canary_identical"] is True, rec
+
+
+def test_a_single_file_checkpoint_is_pinned_for_snapshots(tmp_path):
+    """A GGUF-style single-file model is local: criu does not ask for a hub revision, and the
+    snapshot's identity changes when the file does."""
+    import os
+
+    from restartkit.policy import parse_policy
+    from restartkit.snapshot.ops import local_checkpoint_identity
+    from restartkit.strategies.criu_checks import revision_pinned
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF" + b"\0" * 100)
+    pol = lambda m: parse_policy({"service": {"name": "s", "engine": "command", "model": m,  # noqa: E731
+                                              "command": ["srv", "{model}"]}})
+    assert revision_pinned(None, pol(str(model))) is None
+    assert "hub id" in revision_pinned(None, pol("org/model"))
+    before = local_checkpoint_identity(str(model))
+    model.write_bytes(b"GGUF" + b"\1" * 101)
+    os.utime(model, ns=(1, 1))
+    assert before and local_checkpoint_identity(str(model)) != before
+    assert local_checkpoint_identity("org/model") is None

@@ -40,9 +40,20 @@ def env_hash(env: dict) -> str:
     return hashlib.sha256(repr(relevant).encode()).hexdigest()[:16]
 
 
+def local_checkpoint_identity(model: str) -> str | None:
+    """A local checkpoint directory: its content digest; a single file (a GGUF, say): its size and
+    modification time (hashing many GB at every plan would cost more than it tells); a hub id: None."""
+    from restartkit.weightcache.fingerprint import checkpoint_digest
+    if os.path.isdir(model):
+        return checkpoint_digest(model)[0]
+    if os.path.isfile(model):
+        st = os.stat(model)
+        return f"file size {st.st_size} mtime_ns {st.st_mtime_ns}"
+    return None
+
+
 def identity(service, facts) -> dict:
     """What must be the same on the host for a snapshot to be restorable."""
-    from restartkit.weightcache.fingerprint import checkpoint_digest
     s = service.policy.service
     spec = service.adapter.launch(service.policy)
     try:
@@ -56,7 +67,7 @@ def identity(service, facts) -> dict:
         "machine_id": facts.host.machine_id, "criu": facts.host.criu.version, "driver": facts.host.driver_version,
         "gpu_name": gpu.name if gpu else None, "gpu_uuid": gpu.uuid if gpu else None,
         "model": s["model"], "revision": s["revision"],
-        "checkpoint": checkpoint_digest(s["model"])[0] if os.path.isdir(s["model"]) else None,
+        "checkpoint": local_checkpoint_identity(s["model"]),
         "engine_argv": spec.argv[1:], "env": env_hash({**os.environ, **spec.env}),
     }
 
