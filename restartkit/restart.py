@@ -53,13 +53,21 @@ OVERLAP_SUPPORT = {
 }
 
 
+def overlap_problem(policy) -> str | None:
+    """Why an overlapped (or prestarted) ipc restart cannot apply to this service, or None."""
+    why_not = OVERLAP_SUPPORT.get(policy.service["engine"], "not supported by this engine adapter")
+    if why_not is None and policy.service["tensor_parallel_size"] > 1:
+        why_not = "an engine prepared beside the old one runs one rank only (tensor_parallel_size 1)"
+    return why_not
+
+
 def plan_for(service: Service, requested: str, reason: str) -> tuple[Plan, Facts]:
     facts = gather_facts(service, reason)
     plan = make_plan(facts, service.policy, requested, all_strategies())
     if service.adapter is not None:
         plan.notes.extend(service.adapter.plan_notes(service.policy))
     if service.policy.restart["overlap"]:
-        why_not = OVERLAP_SUPPORT.get(service.policy.service["engine"], "not supported by this engine adapter")
+        why_not = overlap_problem(service.policy)
         plan.notes.append("overlap: ipc restarts prepare the new engine beside the old one" if why_not is None
                           else f"overlap is on but does not apply: {why_not}")
     return plan, facts
@@ -72,6 +80,9 @@ def restart(service: Service, requested: str = "auto", reason: str = "restart", 
     facts.overlap = service.policy.restart["overlap"] if overlap is None else overlap
     if facts.overlap and plan.attempt != "ipc":
         say(f"--overlap applies to ipc restarts only; this restart runs {plan.attempt} without it")
+        facts.overlap = False
+    if facts.overlap and (why_not := overlap_problem(service.policy)):
+        say(f"--overlap does not apply ({why_not}); this restart runs without it")
         facts.overlap = False
     probe = None
     if facts.overlap or measure_downtime:
