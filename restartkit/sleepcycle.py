@@ -49,6 +49,12 @@ class Cycle:
     def fail(self, message: str):
         raise SleepCycleError(message, self.proof)
 
+    def _asleep(self) -> bool:
+        try:
+            return self.adapter.sleep_is_confirmed(self.policy)
+        except http.HTTPFailure as e:
+            self.fail(f"/is_sleeping does not answer: {e.message}")
+
     # ---- sleep ----------------------------------------------------------------
     def sleep(self, verify_memory: bool = True) -> dict:
         pol, ad = self.policy, self.adapter
@@ -60,7 +66,7 @@ class Cycle:
             self.fail(f"the engine refused to sleep: {e.message}")
         self.phases["sleep"] = round(time.monotonic() - t0, 4)
         self.proof["sleep_answer"] = answer
-        if ad.can_confirm_sleep and not ad.sleep_is_confirmed(pol):
+        if ad.can_confirm_sleep and not self._asleep():
             self.fail("the engine answered /sleep but /is_sleeping says it is awake")
         asleep = tree_memory(self.pid, self.device)
         before = self.proof["memory_before"]
@@ -104,7 +110,7 @@ class Cycle:
         self.proof["wake_answers"] = [first, second]
         if not ad.wake_is_complete(second):
             self.fail(f"the engine's last wake answer does not say awake: {second}")
-        if ad.can_confirm_sleep and ad.sleep_is_confirmed(pol):
+        if ad.can_confirm_sleep and self._asleep():
             self.fail("/is_sleeping still says asleep after the wake")
         self.proof["memory_after"] = tree_memory(self.pid, self.device)
         return self.proof["wake"]
