@@ -89,6 +89,9 @@ def update_metrics(state_dir: Path, record: Record) -> Path:
             c["ipc"][hit] = c["ipc"].get(hit, 0) + 1
     if record.time_to_ready_s is not None and record.served_by:
         c["time_to_ready"][record.served_by] = record.time_to_ready_s
+    down = (record.downtime or {}).get("downtime_s")
+    if down is not None and record.served_by:
+        c.setdefault("downtime", {})[record.served_by] = down
     tmp = counters_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(c))
     os.replace(tmp, counters_path)
@@ -111,6 +114,11 @@ def update_metrics(state_dir: Path, record: Record) -> Path:
               "# TYPE restartkit_time_to_ready_seconds gauge"]
     for strat, v in sorted(c["time_to_ready"].items()):
         lines.append(f'restartkit_time_to_ready_seconds{{service="{svc}",strategy="{strat}"}} {v}')
+    lines += ["# HELP restartkit_downtime_seconds Longest gap between answered client requests during the last "
+              "restart served by each strategy (measured when the restart measures downtime, always when overlapped).",
+              "# TYPE restartkit_downtime_seconds gauge"]
+    for strat, v in sorted(c.get("downtime", {}).items()):
+        lines.append(f'restartkit_downtime_seconds{{service="{svc}",strategy="{strat}"}} {v}')
     prom = state_dir / "metrics.prom"
     tmp = prom.with_suffix(".tmp")
     tmp.write_text("\n".join(lines) + "\n")
