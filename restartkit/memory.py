@@ -50,11 +50,7 @@ def free_memory(device: str) -> int | None:
 def tree_memory(pid: int, device: str) -> int | None:
     """The engine's memory: the process and every descendant (vLLM's engine
     core and workers are child processes of its API server)."""
-    try:
-        import psutil
-        pids = [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
-    except Exception:
-        pids = [pid]
-    values = [process_memory(p, device) for p in pids]
+    from restartkit.supervise import tree_pids
+    values = [process_memory(p, device) for p in tree_pids(pid)]
     known = [v for v in values if v is not None]
     return sum(known) if known else None

@@ -49,6 +49,12 @@ def _wait_state(path, proc, wanted: str, deadline_s: float) -> dict:
     raise RuntimeError(f"the new engine was not {wanted} within {deadline_s:.0f} s")
 
 
+def _old_serves(out: Outcome, error: str) -> Outcome:
+    """Failed before the old engine was touched: it keeps serving, nothing to recover."""
+    out.error, out.old_still_serving = error, True
+    return out
+
+
 def _spawn_prepared(service, name: str):
     """Start the new engine in prepare-only mode; returns (process, its status file)."""
     status_path = service.state_dir / "overlap-status.json"
@@ -95,11 +101,9 @@ def overlapped_ipc(service, facts, strategy_name: str = "ipc") -> Outcome:
     if mode == "prestart":
         return _prestart(service, old, out)
     if free is not None and free < kv:
-        out.error = (f"{free / 1e9:.2f} GB free cannot hold a second KV cache of {kv / 1e9:.2f} GB: "
-                     "set [restart] overlap_mode = 'prestart' (or 'auto'): the new engine then activates once "
-                     "the old one stopped")
-        out.old_still_serving = True
-        return out
+        return _old_serves(out, f"{free / 1e9:.2f} GB free cannot hold a second KV cache of {kv / 1e9:.2f} GB: "
+                           "set [restart] overlap_mode = 'prestart' (or 'auto'): the new engine then activates once "
+                           "the old one stopped")
     t0 = time.monotonic()
     new, status_path = _spawn_prepared(service, "ipc-overlap")
     try:
@@ -114,9 +118,7 @@ def overlapped_ipc(service, facts, strategy_name: str = "ipc") -> Outcome:
         _wait_state(status_path, new, "ready", 30)
     except Exception as e:
         new.stop(timeout_s=5)
-        out.error = f"the new engine failed before the old one was stopped: {e}"
-        out.old_still_serving = True
-        return out
+        return _old_serves(out, f"the new engine failed before the old one was stopped: {e}")
     t2 = time.monotonic()
     how = service.stop()  # SIGTERM: the old engine finishes what it is answering, closes its listener
     phases["stop_old"] = round(time.monotonic() - t2, 4)
@@ -137,18 +139,15 @@ def _prestart(service, old, out: Outcome) -> Outcome:
     Downtime: the old engine's stop plus the activation, not the process start."""
     pol, phases = service.policy, out.phases
     if pol.ipc["mode"] != "zero_copy":
-        out.error = "prestart needs [ipc] mode = 'zero_copy' (copied weights would need their memory beside the old engine's)"
-        out.old_still_serving = True
-        return out
+        return _old_serves(out, "prestart needs [ipc] mode = 'zero_copy' (copied weights would need their memory "
+                                "beside the old engine's)")
     t0 = time.monotonic()
     new, status_path = _spawn_prepared(service, "ipc-prestart")
     try:
         _wait_state(status_path, new, "prepared", pol.restart["start_timeout_s"])
     except Exception as e:
         new.stop(timeout_s=5)
-        out.error = f"the new engine failed before the old one was stopped: {e}"
-        out.old_still_serving = True
-        return out
+        return _old_serves(out, f"the new engine failed before the old one was stopped: {e}")
     phases["prepare"] = round(time.monotonic() - t0, 4)
     t1 = time.monotonic()
     out.proof["old_stop"] = service.stop()  # drained, exited: its KV cache is free

@@ -29,7 +29,8 @@ def snapshot_facts(service: Service, facts: Facts) -> dict:
         return {}
     try:
         from restartkit.snapshot.cudackpt import fd_targets
-        from restartkit.snapshot.ops import identity, mismatches, store_for, tree_pids
+        from restartkit.snapshot.ops import identity, mismatches, store_for
+        from restartkit.supervise import tree_pids
         out: dict = {}
         if facts.service.pid:
             pids = tree_pids(facts.service.pid)

@@ -71,6 +71,16 @@ class Seam:
             return False
 
 
+def tree_pids(pid: int) -> list[int]:
+    """The process and all its descendants ([] when it is gone)."""
+    import psutil
+    try:
+        p = psutil.Process(pid)
+        return [pid] + [c.pid for c in p.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
 def reap(pid: int) -> None:
     """Collect `pid` if it is our own exited child, so its PID is free again
     (a long-lived restartkit process, such as the demo or bench, is the

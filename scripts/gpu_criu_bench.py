@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_ipc_bench import bench_setup, cli, drop_page_cache, engine_stats, restart  # noqa: E402
+from gpu_ipc_bench import bench_setup, cli, drop_page_cache, engine_stats, restart, write_policy  # noqa: E402
 
 
 def read_bandwidth(path: Path) -> tuple[float, int]:
@@ -36,23 +36,8 @@ def read_bandwidth(path: Path) -> tuple[float, int]:
 def main() -> int:
     args, out, work, model = bench_setup("/tmp/rk-criu", 8500)
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    pol = work / "ref-criu.toml"
-    pol.write_text(f"""
-[service]
-name = "ref-criu"
-model = "{model}"
-port = {args.port}
-device = "{args.device}"
-max_model_len = 4096
-state_dir = "{work / 'state'}"
-[restart]
-start_timeout_s = 600
-stop_timeout_s = 60
-[criu]
-images_dir = "{work / 'snapshots'}"
-pid_wait_s = 30
-restore_timeout_s = 500
-""")
+    pol = write_policy(work, "ref-criu", model, args.device, args.port, restart="stop_timeout_s = 60\n",
+                       sections=f'[criu]\nimages_dir = "{work / "snapshots"}"\npid_wait_s = 30\nrestore_timeout_s = 500\n')
     try:
         res["facts"] = json.loads(cli("facts", "--json").stdout)["criu"]
         cli("stop", "--policy", pol, check=False)

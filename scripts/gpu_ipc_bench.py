@@ -53,7 +53,10 @@ def bench_setup(default_work: str, default_port: int, extra=lambda p: None):
     return args, out, work, model
 
 
-def policy(work: Path, name: str, model: Path, device: str, tp: int, port: int) -> Path:
+def write_policy(work: Path, name: str, model: Path, device: str, port: int, tp: int = 1,
+                 restart: str = "", sections: str = "") -> Path:
+    """The policy every GPU script starts from (the reference engine, 4096 tokens, state under
+    `work`); `restart` adds [restart] keys, `sections` whole sections."""
     p = work / f"{name}.toml"
     p.write_text(f"""
 [service]
@@ -66,14 +69,13 @@ max_model_len = 4096
 state_dir = "{work / 'state'}"
 [restart]
 start_timeout_s = 600
-stop_timeout_s = 60
-canary_max_tokens = 16
-[ipc]
-socket_dir = "{work / 'sockets'}"
-fallback = true
-startup_timeout_s = 900
-""")
+{restart}{sections}""")
     return p
+
+
+def policy(work: Path, name: str, model: Path, device: str, tp: int, port: int) -> Path:
+    return write_policy(work, name, model, device, port, tp, restart="stop_timeout_s = 60\ncanary_max_tokens = 16\n",
+                        sections=f'[ipc]\nsocket_dir = "{work / "sockets"}"\nfallback = true\nstartup_timeout_s = 900\n')
 
 
 def restart(pol: Path, strategy: str) -> dict:

@@ -15,28 +15,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_ipc_bench import bench_setup, cli  # noqa: E402
+from gpu_ipc_bench import bench_setup, cli, write_policy  # noqa: E402
 
 
 def main() -> int:
     args, out, work, model = bench_setup("/tmp/rk-overlap", 8800, lambda p: p.add_argument("--repeat", type=int, default=2))
     (work / "sockets").mkdir(exist_ok=True, mode=0o700)
-    pol = work / "overlap.toml"
-    pol.write_text(f"""
-[service]
-name = "ref-overlap"
-model = "{model}"
-port = {args.port}
-device = "{args.device}"
-max_model_len = 4096
-state_dir = "{work / 'state'}"
-[restart]
-overlap = true
-start_timeout_s = 600
-[ipc]
-socket_dir = "{work / 'sockets'}"
-startup_timeout_s = 900
-""")
+    pol = write_policy(work, "ref-overlap", model, args.device, args.port, restart="overlap = true\n",
+                       sections=f'[ipc]\nsocket_dir = "{work / "sockets"}"\nstartup_timeout_s = 900\n')
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "runs": []}
     try:
         cli("preload", "--policy", pol, "--detach")

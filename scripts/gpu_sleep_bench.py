@@ -16,28 +16,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_ipc_bench import bench_setup, cli  # noqa: E402
+from gpu_ipc_bench import bench_setup, cli, write_policy  # noqa: E402
 
 
 def main() -> int:
     args, out, work, model = bench_setup("/tmp/rk-sleep", 8600)
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "runs": []}
     for level in (1, 2):
-        pol = work / f"sleep-l{level}.toml"
-        pol.write_text(f"""
-[service]
-name = "ref-sleep-l{level}"
-model = "{model}"
-port = {args.port + level}
-device = "{args.device}"
-max_model_len = 4096
-state_dir = "{work / 'state'}"
-[restart]
-start_timeout_s = 600
-[sleep]
-enabled = true
-level = {level}
-""")
+        pol = write_policy(work, f"ref-sleep-l{level}", model, args.device, args.port + level,
+                           sections=f"[sleep]\nenabled = true\nlevel = {level}\n")
         try:
             cli("stop", "--policy", pol, check=False)
             cli("start", "--policy", pol)

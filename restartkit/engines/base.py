@@ -109,3 +109,18 @@ class EngineAdapter:
 
 def python() -> str:
     return sys.executable
+
+
+def tree_cmdline(pid: int) -> str:
+    """The command lines of a process and its descendants, joined ("" when it is gone):
+    how an engine was really started, whatever restartkit's policy says now."""
+    import psutil
+
+    from restartkit.supervise import tree_pids
+    out = []
+    for p in tree_pids(pid):
+        try:
+            out.append(" ".join(psutil.Process(p).cmdline()))
+        except psutil.Error:
+            pass
+    return " ".join(out)

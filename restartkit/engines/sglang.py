@@ -9,7 +9,7 @@ from __future__ import annotations
 from importlib import metadata
 
 from restartkit import http
-from restartkit.engines.base import EngineAdapter, LaunchSpec, python
+from restartkit.engines.base import EngineAdapter, LaunchSpec, python, tree_cmdline
 
 
 class SGLangAdapter(EngineAdapter):
@@ -72,8 +72,7 @@ class SGLangAdapter(EngineAdapter):
             raise http.HTTPFailure("/update_weights_from_disk", 200, str(answer.get("message"))[:300])
 
     def sleep_state(self, policy, pid: int | None) -> dict:
-        from restartkit.engines.vllm import _tree_cmdline
-        if "--enable-memory-saver" not in (_tree_cmdline(pid) if pid else ""):
+        if "--enable-memory-saver" not in (tree_cmdline(pid) if pid else ""):
             return {"enabled": False, "asleep": None, "level": None,
                     "why": "the running SGLang was started without --enable-memory-saver: set [sleep] enabled = true "
                            "and restart it once (cold)"}

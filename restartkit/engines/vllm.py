@@ -15,7 +15,7 @@ import re
 from importlib import metadata
 
 from restartkit import http
-from restartkit.engines.base import EngineAdapter, LaunchSpec, python
+from restartkit.engines.base import EngineAdapter, LaunchSpec, python, tree_cmdline
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 HIT = re.compile(r"Mapped (\d+) tensors from the weight cache daemon \((\w+) mode\)")
@@ -124,7 +124,7 @@ class VLLMAdapter(EngineAdapter):
         return checkpoint_bytes(policy.service["model"])
 
     def sleep_state(self, policy, pid: int | None) -> dict:
-        flags = _tree_cmdline(pid) if pid else ""
+        flags = tree_cmdline(pid) if pid else ""
         if "--enable-sleep-mode" not in flags:
             return {"enabled": False, "asleep": None, "level": None,
                     "why": "the running vLLM was started without --enable-sleep-mode: set [sleep] enabled = true "
@@ -163,16 +163,6 @@ def checkpoint_bytes(model: str) -> int | None:
     import os
     files = glob.glob(os.path.join(model, "*.safetensors"))
     return sum(os.path.getsize(f) for f in files) or None
-
-
-def _tree_cmdline(pid: int) -> str:
-    try:
-        import psutil
-        procs = [psutil.Process(pid)]
-        procs += procs[0].children(recursive=True)
-        return " ".join(" ".join(p.cmdline()) for p in procs)
-    except Exception:
-        return ""
 
 
 def parse_ipc_log(text: str, world_size: int) -> dict:

@@ -21,14 +21,8 @@ def wait_for_previous_engine() -> float:
     pid_s, _, ctime = spec.partition(":")
     pid, timeout = int(pid_s), float(os.environ.get("RESTARTKIT_AFTER_TIMEOUT_S", "60"))
     t0 = time.perf_counter()
-    try:
-        import psutil
-        proc = psutil.Process(pid)
-        if ctime and abs(proc.create_time() - float(ctime)) > 0.5:
-            return 0.0
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return 0.0
-    except Exception:  # gone already
+    from restartkit.supervise import Seam
+    if not Seam().alive(pid, float(ctime) if ctime else None):  # gone, a zombie, or the PID reused
         return 0.0
     try:
         fd = os.pidfd_open(pid)  # readable once the process has exited (zombie or reaped)

@@ -23,6 +23,7 @@ from typing import Callable
 from restartkit import __version__
 from restartkit.errors import StrategyError
 from restartkit.snapshot.criu import Criu, CriuError, put_back_shm
+from restartkit.supervise import tree_pids
 from restartkit.snapshot.cudackpt import CudaCheckpoint, fd_targets, uses_cuda
 from restartkit.snapshot.store import Snapshot, SnapshotStore, dir_bytes
 from restartkit.supervise import EngineProcess, reap
@@ -76,15 +77,6 @@ def mismatches(snapshot_identity: dict, host_identity: dict) -> list[str]:
     return [f"{k}: snapshot {snapshot_identity.get(k)!r}, host {host_identity.get(k)!r}"
             for k in sorted(set(snapshot_identity) | set(host_identity))
             if snapshot_identity.get(k) != host_identity.get(k)]
-
-
-def tree_pids(pid: int) -> list[int]:
-    import psutil
-    try:
-        p = psutil.Process(pid)
-        return [pid] + [c.pid for c in p.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
 
 
 def dump_blockers(pids: list[int]) -> list[str]:
