@@ -55,6 +55,16 @@ def _old_serves(out: Outcome, error: str) -> Outcome:
     return out
 
 
+def _took_over(service, new, how: str, new_stats: dict, out: Outcome, t0: float) -> Outcome:
+    """The new engine serves on the public port and the old one is gone: it is the service's engine now."""
+    new.to(ProcState.READY)
+    service.mark_ready(new, how)
+    out.engine_phases = new_stats.get("phases", {})
+    out.phases["start_to_ready"] = round(time.monotonic() - t0, 4)
+    out.ok = True
+    return out
+
+
 def _spawn_prepared(service, name: str):
     """Start the new engine in prepare-only mode; returns (process, its status file)."""
     status_path = service.state_dir / "overlap-status.json"
@@ -123,12 +133,7 @@ def overlapped_ipc(service, facts, strategy_name: str = "ipc") -> Outcome:
     how = service.stop()  # SIGTERM: the old engine finishes what it is answering, closes its listener
     phases["stop_old"] = round(time.monotonic() - t2, 4)
     out.proof["old_stop"] = how
-    new.to(ProcState.READY)
-    service.mark_ready(new, "ipc-overlap")
-    out.engine_phases = new_stats.get("phases", {})
-    phases["start_to_ready"] = round(time.monotonic() - t0, 4)
-    out.ok = True
-    return out
+    return _took_over(service, new, "ipc-overlap", new_stats, out, t0)
 
 
 def _prestart(service, old, out: Outcome) -> Outcome:
@@ -165,12 +170,7 @@ def _prestart(service, old, out: Outcome) -> Outcome:
         out.error = f"the prestarted engine failed after the old one stopped: {e}"
         return out
     phases["stop_to_ready"] = round(time.monotonic() - t1, 4)
-    new.to(ProcState.READY)
-    service.mark_ready(new, "ipc-prestart")
-    out.engine_phases = new_stats.get("phases", {})
-    phases["start_to_ready"] = round(time.monotonic() - t0, 4)
-    out.ok = True
-    return out
+    return _took_over(service, new, "ipc-prestart", new_stats, out, t0)
 
 
 def _canary_at(service, base: str, first_only: bool = False) -> list[list[int]]:

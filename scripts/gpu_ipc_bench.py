@@ -78,10 +78,11 @@ def policy(work: Path, name: str, model: Path, device: str, tp: int, port: int) 
                         sections=f'[ipc]\nsocket_dir = "{work / "sockets"}"\nfallback = true\nstartup_timeout_s = 900\n')
 
 
-def restart(pol: Path, strategy: str) -> dict:
-    rec = json.loads(cli("restart", "--policy", pol, "--strategy", strategy, "--json").stdout)
+def restart(pol: Path, strategy: str, *flags: str) -> dict:
+    rec = json.loads(cli("restart", "--policy", pol, "--strategy", strategy, *flags, "--json").stdout)
     a = rec["attempts"][-1]
     return {"strategy": strategy, "served_by": rec["served_by"], "via_recovery": rec["via_recovery"],
+            "recovery_reason": rec["recovery_reason"], "downtime": rec.get("downtime"),
             "time_to_ready_s": rec["time_to_ready_s"], "phases": a.get("phases"), "engine_phases": a.get("engine_phases"),
             "canary_identical": rec["proof"].get("canary_identical"), "ipc": (a.get("proof") or {}).get("ipc"),
             "ranks": (a.get("proof") or {}).get("ranks"), "attach_s": (a.get("proof") or {}).get("attach_s")}
@@ -134,13 +135,7 @@ def run_tp(work: Path, model: Path, device: str, tp: int, port: int, results: di
     if prestart:  # the new engine prepared beside the old one, activated once it stopped (one KV cache)
         text = pol.read_text()
         pol.write_text(text.replace("[restart]\n", '[restart]\noverlap_mode = "prestart"\n'))
-        for _ in range(ipc_repeat):
-            rec = json.loads(cli("restart", "--policy", pol, "--strategy", "ipc", "--overlap", "--json").stdout)
-            a = rec["attempts"][-1]
-            out["prestart"] = out.get("prestart", []) + [{
-                "served_by": rec["served_by"], "via_recovery": rec["via_recovery"], "recovery_reason": rec["recovery_reason"],
-                "phases": a.get("phases"), "engine_phases": a.get("engine_phases"), "downtime": rec.get("downtime"),
-                "canary_identical": rec["proof"].get("canary_identical"), "ipc": (a.get("proof") or {}).get("ipc")}]
+        out["prestart"] = [restart(pol, "ipc", "--overlap") for _ in range(ipc_repeat)]
         pol.write_text(text)
     if kill_test:
         out["daemon_sigkill"] = daemon_sigkill(pol, port)
