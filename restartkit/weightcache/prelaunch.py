@@ -47,7 +47,9 @@ def build(policy_path: str | None, flags: dict):
     return policy, layout, timeout, host, port
 
 
-def wait_until_ready(layout, timeout: float, say) -> int:
+def wait_until_ready(layout, timeout: float, say, health: str | None = None) -> int:
+    """Every local rank's socket answers ready, and, when the launcher serves a health endpoint
+    (`health`: its URL), that says ready too: the launcher notices its ranks a moment after they serve."""
     from restartkit.weightcache import protocol
     from restartkit.weightcache.launcher import expected_uuids
     sdir = protocol.socket_dir(layout.socket_dir)
@@ -65,7 +67,7 @@ def wait_until_ready(layout, timeout: float, say) -> int:
                 states[p] = reply.get("state")
             except (OSError, TimeoutError, protocol.ProtocolError):
                 states[p] = "absent"
-        if all(s == "ready" for s in states.values()):
+        if all(s == "ready" for s in states.values()) and (health is None or _healthy(health)):
             say(f"weight cache ready: {len(paths)} rank(s)")
             return EXIT_SERVING
         time.sleep(0.2)
@@ -73,11 +75,20 @@ def wait_until_ready(layout, timeout: float, say) -> int:
     return EXIT_NOT_SERVING
 
 
+def _healthy(url: str) -> bool:
+    from restartkit import http
+    try:
+        return http.get(url, timeout=2).get("state") == "ready"
+    except http.HTTPFailure:
+        return False
+
+
 def preload_command(policy_path, flags: dict, detach: bool, wait_ready: bool, say) -> int:
     from restartkit.weightcache.launcher import Launcher, run
     policy, layout, timeout, host, port = build(policy_path, flags)
+    health = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}/health" if port else None
     if wait_ready:
-        return wait_until_ready(layout, timeout, say)
+        return wait_until_ready(layout, timeout, say, health)
     if detach:
         argv = [sys.executable, "-m", "restartkit.cli", "preload"] + _argv(policy_path, flags)
         state = (policy.state_dir() if policy else None)
@@ -86,7 +97,7 @@ def preload_command(policy_path, flags: dict, detach: bool, wait_ready: bool, sa
             state.mkdir(parents=True, exist_ok=True, mode=0o700)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
-        rc = wait_until_ready(layout, timeout, say)
+        rc = wait_until_ready(layout, timeout, say, health)
         if proc.poll() is not None:
             say(f"the launcher exited with code {proc.returncode}; log: {log_path}")
             return proc.returncode or EXIT_NOT_SERVING
