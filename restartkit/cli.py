@@ -294,7 +294,7 @@ def weightcache_status(policy_path, as_json):
     """Each rank's daemon: state, fingerprint, bytes, attached engines."""
     from restartkit.weightcache.client import daemon_stats
     stats = daemon_stats(load(policy_path).policy)
-    text = "\n".join(f"{d['device_uuid']}: {d.get('state')}" + (f", {d.get('tensors')} tensors, {d.get('nbytes', 0) / 1e9:.3f} GB, attached {d.get('attached')}" if d.get("state") == "ready" else "") for d in stats)
+    text = "\n".join(f"{d['device_uuid']}{' (draft)' if d.get('draft') else ''}: {d.get('state')}" + (f", {d.get('tensors')} tensors, {d.get('nbytes', 0) / 1e9:.3f} GB, attached {d.get('attached')}" if d.get("state") == "ready" else "") for d in stats)
     emit({"daemons": stats}, as_json, text)
     sys.exit(EXIT_SERVING if all(d.get("state") == "ready" for d in stats) else EXIT_NOT_SERVING)
 

@@ -68,6 +68,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "expert_parallel": Key(bool, False),
         "quantization": Key(str, "none", ("none", "int8"), "weight-only quantization applied at load (processed weights)"),
         "max_model_len": Key(int, 1024, check=_positive),
+        "draft_model": Key(str, "", doc="a draft checkpoint (reference engine, TP1): greedy requests decode "
+                                         "speculatively with it, and the weight cache serves it in its own group"),
+        "num_speculative_tokens": Key(int, 3, check=_positive, doc="draft tokens proposed per round"),
         "engine_args": Key(list, [], doc="extra command-line arguments for the engine"),
         "env": Key(dict, {}, doc="extra environment for the engine"),
         "command": Key(list, [], doc="argv of the engine (engine = 'command' only)"),
@@ -101,7 +104,6 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "master_addr": Key(str, "127.0.0.1"),
         "weight_cache_master_port": Key(int, 29650, check=_port),
         "engine_master_port": Key(int, 29500, check=_port),
-        "draft_model": Key(str, "", doc="a draft checkpoint served by its own daemons"),
     },
     "criu": {
         "images_dir": Key(str, "", doc="default: <state dir>/snapshots"),
@@ -120,6 +122,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                   doc="sleep must free at least this share of weights + KV cache, or it failed"),
     },
 }
+
+
+# Keys that used to live elsewhere: the error says where they are now.
+MOVED = {"ipc": {"draft_model": "write it as [service] draft_model: the engine decodes with it, and the weight "
+                                "cache serves it in its own group"}}
 
 
 def _typename(t) -> str:
@@ -176,6 +183,9 @@ def parse_policy(data: dict, path: str = "<policy>") -> Policy:
         raw = data.get(sec, {})
         if not isinstance(raw, dict):
             raise PolicyError(path, sec, "must be a table", f"write it as [{sec}]")
+        if sec in MOVED and (moved := set(raw) & set(MOVED[sec])):
+            k = sorted(moved)[0]
+            raise PolicyError(path, f"{sec}.{k}", "has moved", MOVED[sec][k])
         extra = set(raw) - set(keys)
         if extra:
             k = sorted(extra)[0]
@@ -205,6 +215,17 @@ def parse_policy(data: dict, path: str = "<policy>") -> Policy:
     if not all(isinstance(a, str) for a in svc["engine_args"]):
         raise PolicyError(path, "service.engine_args", "must be a list of strings", None)
     svc["model"] = expand(svc["model"]) if svc["engine"] == "reference" else svc["model"]
+    if svc["draft_model"]:
+        if svc["engine"] != "reference":
+            raise PolicyError(path, "service.draft_model", f"is for the reference engine, not {svc['engine']!r}",
+                              "give the engine its own speculative-decoding arguments in engine_args")
+        if svc["tensor_parallel_size"] > 1:
+            raise PolicyError(path, "service.draft_model", "needs tensor_parallel_size = 1",
+                              "the reference engine decodes speculatively on one rank only")
+        if sections["sleep"]["enabled"]:
+            raise PolicyError(path, "service.draft_model", "cannot be combined with [sleep] enabled",
+                              "sleep parks the model's weights only: drop one of them")
+        svc["draft_model"] = expand(svc["draft_model"])
     return Policy(path=path, sections=sections)
 
 

@@ -128,10 +128,13 @@ class Service:
             if not any(d.get("state") == "ready" for d in daemons):
                 return {"daemons": daemons, "expected": []}
             lay = layout_from_policy(self.policy)
-            digest = checkpoint_digest(lay.model)[0]
-            expected = [fingerprint(lay.model, tp_size=lay.tp_size, tp_rank=r, dp_size=lay.dp_size, dp_rank=lay.dp_start_rank,
-                                    expert_parallel=lay.expert_parallel, dtype=lay.dtype, quantization=lay.quantization,
-                                    revision=lay.revision, checkpoint=digest) for r in range(lay.tp_size)]
+            expected = []  # in daemon_stats' order: the model's ranks, then the draft model's
+            for model, draft in [(lay.model, False)] + ([(lay.draft_model, True)] if lay.draft_model else []):
+                digest = checkpoint_digest(model)[0]
+                expected += [fingerprint(model, tp_size=lay.tp_size, tp_rank=r, dp_size=lay.dp_size,
+                                         dp_rank=lay.dp_start_rank, expert_parallel=lay.expert_parallel,
+                                         dtype=lay.dtype, quantization=lay.quantization, revision=lay.revision,
+                                         checkpoint=digest, draft=draft) for r in range(lay.tp_size)]
             return {"daemons": daemons, "expected": expected}
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}"}

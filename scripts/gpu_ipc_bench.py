@@ -54,9 +54,9 @@ def bench_setup(default_work: str, default_port: int, extra=lambda p: None):
 
 
 def write_policy(work: Path, name: str, model: Path, device: str, port: int, tp: int = 1,
-                 restart: str = "", sections: str = "") -> Path:
+                 restart: str = "", sections: str = "", service: str = "") -> Path:
     """The policy every GPU script starts from (the reference engine, 4096 tokens, state under
-    `work`); `restart` adds [restart] keys, `sections` whole sections."""
+    `work`); `service` adds [service] keys, `restart` [restart] keys, `sections` whole sections."""
     p = work / f"{name}.toml"
     p.write_text(f"""
 [service]
@@ -67,15 +67,16 @@ device = "{device}"
 tensor_parallel_size = {tp}
 max_model_len = 4096
 state_dir = "{work / 'state'}"
-[restart]
+{service}[restart]
 start_timeout_s = 600
 {restart}{sections}""")
     return p
 
 
-def policy(work: Path, name: str, model: Path, device: str, tp: int, port: int) -> Path:
+def policy(work: Path, name: str, model: Path, device: str, tp: int, port: int, draft: Path | None = None) -> Path:
     return write_policy(work, name, model, device, port, tp, restart="stop_timeout_s = 60\ncanary_max_tokens = 16\n",
-                        sections=f'[ipc]\nsocket_dir = "{work / "sockets"}"\nfallback = true\nstartup_timeout_s = 900\n')
+                        sections=f'[ipc]\nsocket_dir = "{work / "sockets"}"\nfallback = true\nstartup_timeout_s = 900\n',
+                        service=f'draft_model = "{draft}"\n' if draft else "")
 
 
 def restart(pol: Path, strategy: str, *flags: str) -> dict:
@@ -85,7 +86,8 @@ def restart(pol: Path, strategy: str, *flags: str) -> dict:
             "recovery_reason": rec["recovery_reason"], "downtime": rec.get("downtime"),
             "time_to_ready_s": rec["time_to_ready_s"], "phases": a.get("phases"), "engine_phases": a.get("engine_phases"),
             "canary_identical": rec["proof"].get("canary_identical"), "ipc": (a.get("proof") or {}).get("ipc"),
-            "ranks": (a.get("proof") or {}).get("ranks"), "attach_s": (a.get("proof") or {}).get("attach_s")}
+            "ranks": (a.get("proof") or {}).get("ranks"), "attach_s": (a.get("proof") or {}).get("attach_s"),
+            "draft": (a.get("proof") or {}).get("draft")}
 
 
 def process_floor(device: str) -> dict:
@@ -120,9 +122,9 @@ def engine_stats(port: int) -> dict:
 
 
 def run_tp(work: Path, model: Path, device: str, tp: int, port: int, results: dict, kill_test: bool,
-           ipc_repeat: int = 2, prestart: bool = False, ipc_only: bool = False) -> None:
-    name = f"ref-tp{tp}"
-    pol = policy(work, name, model, device, tp, port)
+           ipc_repeat: int = 2, prestart: bool = False, ipc_only: bool = False, draft: Path | None = None) -> None:
+    name = f"ref-tp{tp}" + ("-draft" if draft else "")
+    pol = policy(work, name, model, device, tp, port, draft)
     out = results.setdefault(name, {"tp": tp, "runs": []})
     cli("stop", "--policy", pol, check=False)
     t0 = time.monotonic()
@@ -211,7 +213,7 @@ AFTER_FLOOR = ("tokenizer", "dist_init", "wait_previous", "weight_load", "kv_cac
 
 def verdict(results: dict) -> str:
     lines = ["", "ipc vs cold on this machine (time to ready = from the stop of the old engine to a real completion)",
-             f"{'service':<9}{'strategy':<9}{'cache':<9}{'ready s':>8}{'engine start s':>15}{'floor s':>9}{'attach s':>9}  ipc        canary"]
+             f"{'service':<14}{'strategy':<9}{'cache':<9}{'ready s':>8}{'engine start s':>15}{'floor s':>9}{'attach s':>9}  ipc        canary"]
     for name, r in results.items():
         if not isinstance(r, dict) or "runs" not in r:
             continue
@@ -219,9 +221,10 @@ def verdict(results: dict) -> str:
             ep = run.get("engine_phases") or {}
             floor = sum(ep.get(k, 0) for k in ("process_start", "import_torch", "cuda_init"))
             start = (run.get("phases") or {}).get("start_to_ready")
-            lines.append(f"{name:<9}{run['served_by'] or '-':<9}{run['page_cache']:<9}{run['time_to_ready_s'] or 0:>8.2f}"
+            lines.append(f"{name:<14}{run['served_by'] or '-':<9}{run['page_cache']:<9}{run['time_to_ready_s'] or 0:>8.2f}"
                          f"{start or 0:>15.2f}{floor:>9.2f}{run.get('attach_s') or 0:>9.4f}  "
-                         f"{str(run.get('ipc') or '-'):<10} {'same' if run['canary_identical'] else run['canary_identical']}")
+                         f"{str(run.get('ipc') or '-'):<10} {'same' if run['canary_identical'] else run['canary_identical']}"
+                         + (f"  draft {run['draft']}" if run.get("draft") else ""))
         ipc_runs = [run for run in r["runs"] if run["served_by"] == "ipc"]
         floors = r.get("floors", [])
         floor_m = median([f["floor"] for f in floors])
@@ -284,6 +287,8 @@ def main() -> int:
     p.add_argument("--no-kill-test", action="store_true")
     p.add_argument("--prestart", action="store_true", help="also run prestarted ipc restarts ([restart] overlap_mode)")
     p.add_argument("--ipc-only", action="store_true", help="no cold restarts (a short run)")
+    p.add_argument("--draft-preset", default=None,
+                   help="also restart a TP1 service with this draft model (e.g. 1b: the 8b-shape's vocabulary)")
     args = p.parse_args()
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
@@ -302,6 +307,17 @@ def main() -> int:
         cli("model", "create", "--preset", args.preset, "--out", model, "--device", args.device)
         results["model_create_s"] = round(time.monotonic() - t0, 1)
     results["model_bytes"] = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    if args.draft_preset:
+        draft = work / "models" / args.draft_preset
+        if not (draft / "config.json").exists():
+            cli("model", "create", "--preset", args.draft_preset, "--out", draft, "--device", args.device, "--seed", 1)
+        try:
+            run_tp(work, model, args.device, 1, args.port + 50, results, kill_test=False, ipc_repeat=args.ipc_repeat,
+                   ipc_only=True, draft=draft)
+        except Exception as e:
+            results["ref-tp1-draft-error"] = str(e)[-3000:]
+            print(f"TP1 with a draft failed: {str(e)[-3000:]}", flush=True)
+        (out / "ipc_results.json").write_text(json.dumps(results, indent=2))
     for i, tp in enumerate(int(x) for x in args.tp.split(",")):
         try:
             run_tp(work, model, args.device, tp, args.port + 10 * i, results, kill_test=(tp == 1 and not args.no_kill_test),

@@ -48,9 +48,10 @@ def daemons_ready(facts: Facts, policy) -> str | None:
         return "no weight-cache daemon information"
     if bad:
         d = bad[0]
+        which = f"{d['device_uuid']}{' (draft model)' if d.get('draft') else ''}"
         if d["state"] == "absent":
-            return f"no weight-cache daemon for {d['device_uuid']}: start one with `restartkit preload --policy {policy.path}`"
-        return f"the weight-cache daemon for {d['device_uuid']} is {d['state']}" + (f" ({d['error']})" if d.get("error") else "")
+            return f"no weight-cache daemon for {which}: start one with `restartkit preload --policy {policy.path}`"
+        return f"the weight-cache daemon for {which} is {d['state']}" + (f" ({d['error']})" if d.get("error") else "")
     return None
 
 
@@ -63,7 +64,7 @@ def fingerprints_match(facts: Facts, policy) -> str | None:
             continue
         diffs = differences(d.get("fingerprint") or {}, want)
         if diffs:
-            reasons.append(f"{d['device_uuid']}: {describe(diffs)}")
+            reasons.append(f"{d['device_uuid']}{' (draft model)' if d.get('draft') else ''}: {describe(diffs)}")
     return ("the daemon holds other weights than the engine wants: " + " | ".join(reasons)) if reasons else None
 
 
@@ -103,13 +104,19 @@ class IPCStrategy(BaseStrategy):
         ranks = load.get("ranks") or [load.get("ipc")]
         proof = {"ipc": load.get("ipc"), "ranks": ranks, "mode": load.get("mode"),
                  "attach_s": load.get("attach_s"), "weight_source": load.get("source")}
+        missed = None if all(r == "hit" for r in ranks) else load
+        if service.policy.service["draft_model"]:  # the draft model must come from its own group too
+            draft = load.get("draft") or {}
+            proof["draft"] = draft.get("ipc") or draft.get("source") or "not loaded"
+            if proof["draft"] != "hit" and missed is None:
+                missed = {**draft, "fallback_field": f"draft: {draft.get('fallback_field') or proof['draft']}"}
         out = Outcome(self.name, ok=True, phases=phases, engine_phases=started.engine_phases, proof=proof)
-        if all(r == "hit" for r in ranks):
+        if missed is None:
             proof["ipc"] = "hit"
             return out
-        proof["ipc"] = "mixed" if "hit" in ranks else "fallback"
-        out.fallback = f"{proof['ipc']}({load.get('fallback_field') or load.get('fallback_reason')})"
-        out.detail["fallback_reason"] = load.get("fallback_reason")
+        proof["ipc"] = "mixed" if "hit" in ranks + [proof.get("draft")] else "fallback"
+        out.fallback = f"{proof['ipc']}({missed.get('fallback_field') or missed.get('fallback_reason')})"
+        out.detail["fallback_reason"] = missed.get("fallback_reason")
         return out
 
     def _vllm_proof(self, service, started, phases) -> Outcome:

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 from pathlib import Path
@@ -283,11 +284,34 @@ def test_health_reports_ready_then_degraded(make_policy, sockdir, preloads, tmp_
     assert e.value.code == 503 and json.loads(e.value.read())["state"] == "degraded"
 
 
-def test_draft_model_gets_its_own_sockets(make_policy, sockdir, preloads, tiny_model):
-    policy = ipc_policy(make_policy, sockdir, ipc_extra=f'draft_model = "{tiny_model}"\n')
+def test_a_draft_model_restarts_through_its_own_group(make_policy, sockdir, preloads, service_cleanup, tmp_path):
+    from restartkit.policy import load_policy
+    from restartkit.reference.checkpoint import write_checkpoint
+    draft = write_checkpoint(tmp_path / "draft", "tiny", seed=7)  # other weights, same tokenizer
+    policy = ipc_policy(make_policy, sockdir, service_extra=f'draft_model = "{draft}"\nnum_speculative_tokens = 2\n')
     start_preload(policy, preloads)
     names = sorted(p.name for p in sockdir.iterdir() if p.suffix == ".sock")
     assert len(names) == 2 and names[1].endswith("_draft.sock")
+    service_cleanup(policy)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    code, rec = restart(policy, "--strategy", "auto", "--strict")
+    assert code == 0 and rec["served_by"] == "ipc", rec
+    proof = rec["attempts"][0]["proof"]
+    assert proof["ipc"] == "hit" and proof["draft"] == "hit" and rec["proof"]["canary_identical"] is True
+    port = load_policy(policy).service["port"]
+    stats = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/stats", timeout=5).read())
+    assert stats["speculative"]["tokens"] == 2 and stats["speculative"]["rounds"] > 0  # the canary ran through it
+    assert stats["load"]["draft"]["ipc"] == "hit"
+    daemons = json.loads(run_cli("weightcache", "status", "--policy", policy, "--json").stdout)["daemons"]
+    assert [d["draft"] for d in daemons] == [False, True] and all(stats["pid"] in d["attached"] for d in daemons)
+    # the draft group's daemon gone: plan names it and does not offer ipc
+    os.kill(daemons[1]["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while Path(names[1]).name in {p.name for p in sockdir.iterdir()} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    plan = json.loads(run_cli("plan", "--policy", policy, "--json").stdout)
+    ipc = next(s for s in plan["strategies"] if s["strategy"] == "ipc")
+    assert plan["attempt"] != "ipc" and any("(draft model)" in r for r in ipc["reasons"]), ipc
 
 
 def test_rollout_starts_the_cache_and_proves_it(make_policy, sockdir, service_cleanup):

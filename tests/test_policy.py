@@ -33,6 +33,10 @@ def test_defaults_are_filled():
     (with_("service", colour="red"), "service.colour", "keys of [service]"),
     ({"service": {"name": "s"}}, "service.model", "required"),
     ({**BASE, "extra": {}}, "extra", "sections are"),
+    (with_("ipc", draft_model="/d"), "ipc.draft_model", "[service] draft_model"),
+    (with_("service", draft_model="/d", tensor_parallel_size=2), "service.draft_model", "tensor_parallel_size = 1"),
+    (with_("service", draft_model="/d", engine="vllm"), "service.draft_model", "engine_args"),
+    (with_("service", draft_model="/d", num_speculative_tokens=0), "service.num_speculative_tokens", "greater than 0"),
 ])
 def test_bad_values_name_the_key_and_the_fix(data, key, words):
     with pytest.raises(PolicyError) as e:

@@ -19,6 +19,8 @@ class ReferenceAdapter(EngineAdapter):
                 "--max-model-len", str(s["max_model_len"]), "--served-model-name", self.served_name(policy)]
         if s["dtype"] != "auto":
             argv += ["--dtype", s["dtype"]]
+        if s["draft_model"]:
+            argv += ["--draft-model", s["draft_model"], "--num-speculative-tokens", str(s["num_speculative_tokens"])]
         argv += ["--tensor-parallel-size", str(s["tensor_parallel_size"]), "--quantization", s["quantization"],
                  "--data-parallel-size", str(s["data_parallel_size"]), "--revision", s["revision"],
                  "--data-parallel-rank", str(policy.ipc["data_parallel_start_rank"])]

@@ -56,6 +56,9 @@ class Engine:
     lock: threading.Lock = field(default_factory=threading.Lock)
     _graph: object = None
     _static: dict = field(default_factory=dict)
+    draft: "Engine | None" = None  # a draft model: greedy requests decode speculatively with it
+    spec_tokens: int = 3  # draft tokens proposed per round
+    spec_counts: dict = field(default_factory=lambda: {"rounds": 0, "proposed": 0, "accepted": 0})
 
     # ---- start-up ----------------------------------------------------------
     @property
@@ -256,6 +259,8 @@ class Engine:
 
     @torch.inference_mode()
     def _generate_locked(self, prompt, max_tokens, temperature, seed, want_logprobs) -> Completion:
+        if self.draft is not None and not (temperature and temperature > 0):
+            return self._speculate_locked(prompt, max_tokens, want_logprobs)
         dev = self.device
         gen = torch.Generator().manual_seed(seed if seed is not None else self.options.seed)
         logits = self.model(torch.tensor(prompt, device=dev), torch.arange(len(prompt), device=dev))[-1]
@@ -278,6 +283,50 @@ class Engine:
                 logits = self._decode(nxt, pos)
                 pos += 1
         return Completion(list(prompt), out, lps, finish)
+
+    @torch.inference_mode()
+    def _speculate_locked(self, prompt, max_tokens, want_logprobs) -> Completion:
+        """Greedy decoding with the draft proposing up to spec_tokens tokens a round, which this
+        model checks in one forward pass: every token emitted is this model's own greedy choice
+        (the draft only decides how many come out of one pass)."""
+        dev, draft, eos = self.device, self.draft, self.config.eos_token_id
+        seq, out, lps = list(prompt), [], [] if want_logprobs else None
+
+        def take(row: torch.Tensor) -> int:  # this model's greedy choice from one row of logits
+            row32 = row.float().cpu()
+            nxt = int(torch.argmax(row32))
+            if lps is not None:
+                lps.append(float(torch.log_softmax(row32, dim=-1)[nxt]))
+            out.append(nxt)
+            seq.append(nxt)
+            return nxt
+
+        def done() -> bool:
+            return len(out) >= max_tokens or out[-1] == eos
+
+        take(self.model(torch.tensor(prompt, device=dev), torch.arange(len(prompt), device=dev))[-1])
+        drafted = 0  # how much of seq the draft's KV cache holds
+        while not done():
+            pos = len(seq) - 1  # the last token's position: in neither cache yet
+            k = min(self.spec_tokens, max_tokens - len(out))
+            # the draft catches up on what it has not seen (through the last token), then proposes k
+            logits = draft.model(torch.tensor(seq[drafted:], device=dev), torch.arange(drafted, pos + 1, device=dev))[-1]
+            props = [int(torch.argmax(logits))]
+            for j in range(1, k):
+                logits = draft.model(torch.tensor([props[-1]], device=dev), torch.tensor([pos + j], device=dev))[0]
+                props.append(int(torch.argmax(logits)))
+            # row j: this model's logits after the last token and the first j proposals
+            rows = self.model(torch.tensor([seq[-1], *props], device=dev), torch.arange(pos, pos + k + 1, device=dev))
+            j = 0  # proposals accepted
+            while take(rows[j]) == (props[j] if j < k else None):
+                j += 1
+                if done():
+                    break
+            drafted = pos + 1 + min(j, k - 1)  # the proposals it was fed and that were kept
+            self.spec_counts["rounds"] += 1
+            self.spec_counts["proposed"] += k
+            self.spec_counts["accepted"] += j
+        return Completion(list(prompt), out, lps, "stop" if out[-1] == eos else "length")
 
     def _decode(self, token: int, pos: int) -> torch.Tensor:
         if self._graph is not None:

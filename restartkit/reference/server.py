@@ -228,6 +228,9 @@ class Handler(BaseHTTPRequestHandler):
                        reuse_port=getattr(self.server, "reuse_port", False) or st.prepared_mode,
                        weight_bytes=eng.weight_bytes(), kv_cache_bytes=eng.model.kv_cache_bytes,
                        cuda_graph=eng._graph is not None)
+            if eng.draft is not None:
+                out["speculative"] = {"draft_model": eng.draft.options.model, "tokens": eng.spec_tokens,
+                                      **eng.spec_counts}
         try:
             import psutil
             out["rss_bytes"] = psutil.Process().memory_info().rss
@@ -322,7 +325,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--activate-timeout", type=float, default=300.0)
     p.add_argument("--enable-sleep-mode", action="store_true", help="POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping")
     p.add_argument("--sleep-endpoints-public", action="store_true", help="answer sleep endpoints off loopback too")
+    p.add_argument("--draft-model", default="", help="a draft checkpoint: greedy requests decode speculatively")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens proposed per round")
     args = p.parse_args(argv)
+    if args.draft_model:
+        if args.tensor_parallel_size > 1:
+            p.error("--draft-model is supported at --tensor-parallel-size 1 only")
+        if args.enable_sleep_mode:
+            p.error("--draft-model cannot be combined with --enable-sleep-mode")
+        if args.num_speculative_tokens < 1:
+            p.error("--num-speculative-tokens must be at least 1")
     try:
         args.ipc = json.loads(args.ipc_config)
         if not isinstance(args.ipc, dict):
@@ -457,36 +469,76 @@ def _start_engine(engine, args, gate=None) -> None:
         waited = wait_for_previous_engine()
         engine.phases["wait_previous"] = round(waited, 4)
 
+    draft = _make_draft(args)
     if args.load_format != "ipc_cache":
         engine.prepare(before_weights=previous)
+        if draft:
+            _prepare_draft(engine, draft)
         if gate:
             gate()
         engine.activate()
+        _activate_draft(engine, draft, args)
         return
-    from restartkit.weightcache.daemon import device_uuid
-    from restartkit.weightcache.fingerprint import fingerprint
-    from restartkit.weightcache.loader import attach
-
-    o = engine.options
-
-    def weights():
-        dtype_name = str(engine.dtype).replace("torch.", "")
-        global_rank = args.data_parallel_rank * o.tp_size + o.tp_rank
-        uuid = device_uuid(str(engine.device) if engine.device.type == "cuda" else "cpu", global_rank)
-        fp = fingerprint(o.model, tp_size=o.tp_size, tp_rank=o.tp_rank, dp_size=args.data_parallel_size,
-                         dp_rank=args.data_parallel_rank, expert_parallel=o.expert_parallel, dtype=dtype_name,
-                         quantization=o.quantization, revision=args.revision)
-        attach(engine, args.ipc, uuid, fp)
-
     zero_copy = args.ipc.get("mode", "zero_copy") == "zero_copy"
-    engine.prepare(weights=weights, before_weights=None if zero_copy else previous)
+    engine.prepare(weights=_ipc_weights(engine, args), before_weights=None if zero_copy else previous)
     if zero_copy:
         previous()
+    if draft:
+        _prepare_draft(engine, draft, _ipc_weights(draft, args, is_draft=True))
     if gate:
         if zero_copy and engine.options.tp_size == 1:
             engine.warm_up_early()  # beside the old engine: weights are shared, the cache is small
         gate()
     engine.activate()
+    _activate_draft(engine, draft, args)
+
+
+def _ipc_weights(engine, args, is_draft: bool = False):
+    """The ipc_cache loader for `engine` (the model's daemons, or the draft group's)."""
+    from restartkit.weightcache.daemon import device_uuid
+    from restartkit.weightcache.fingerprint import fingerprint
+    from restartkit.weightcache.loader import attach
+
+    def weights():
+        o = engine.options
+        dtype_name = str(engine.dtype).replace("torch.", "")
+        global_rank = args.data_parallel_rank * o.tp_size + o.tp_rank
+        uuid = device_uuid(str(engine.device) if engine.device.type == "cuda" else "cpu", global_rank)
+        fp = fingerprint(o.model, tp_size=o.tp_size, tp_rank=o.tp_rank, dp_size=args.data_parallel_size,
+                         dp_rank=args.data_parallel_rank, expert_parallel=o.expert_parallel, dtype=dtype_name,
+                         quantization=o.quantization, revision=args.revision, draft=is_draft)
+        attach(engine, args.ipc, uuid, fp, draft=is_draft)
+    return weights
+
+
+def _make_draft(args):
+    """The draft model's engine (same device, dtype, quantization and length; no CUDA graph), or None."""
+    if not args.draft_model:
+        return None
+    from restartkit.reference.engine import Engine, EngineOptions
+    return Engine(EngineOptions(model=args.draft_model, device=args.device, dtype=args.dtype,
+                                max_model_len=args.max_model_len, cuda_graph=False, quantization=args.quantization))
+
+
+def _prepare_draft(engine, draft, weights=None) -> None:
+    t0 = time.perf_counter()
+    draft.prepare(weights=weights)
+    mine, its = engine.config, draft.config
+    for key in ("vocab_size", "bos_token_id", "eos_token_id"):
+        if getattr(mine, key) != getattr(its, key):
+            raise ValueError(f"the draft model's {key} is {getattr(its, key)}, the model's {getattr(mine, key)}: "
+                             "a draft model must share the model's tokenizer")
+    engine.phases["draft_prepare"] = round(time.perf_counter() - t0, 4)
+
+
+def _activate_draft(engine, draft, args) -> None:
+    if draft is None:
+        return
+    t0 = time.perf_counter()
+    draft.activate()
+    engine.draft, engine.spec_tokens = draft, args.num_speculative_tokens
+    engine.load_info["draft"] = {k: v for k, v in draft.load_info.items() if k != "socket"}
+    engine.phases["draft_activate"] = round(time.perf_counter() - t0, 4)
 
 
 def _write_status(path: str | None, **data) -> None:

@@ -13,7 +13,7 @@ def layout_from_policy(policy) -> Layout:
                   node_rank=i["node_rank"], master_addr=i["master_addr"],
                   weight_cache_master_port=i["weight_cache_master_port"], engine_master_port=i["engine_master_port"],
                   dtype=dtype, quantization=s["quantization"], revision=s["revision"], socket_dir=i["socket_dir"],
-                  draft_model=i["draft_model"])
+                  draft_model=s["draft_model"])
 
 
 def _checkpoint_dtype(model: str) -> str:
@@ -25,22 +25,31 @@ def _checkpoint_dtype(model: str) -> str:
         return "bfloat16"
 
 
+def _groups(lay: Layout) -> list[bool]:
+    """The daemon groups of a layout: the model's, then the draft model's when there is one."""
+    return [False, True] if lay.draft_model else [False]
+
+
 def daemon_stats(policy) -> list[dict]:
-    """One entry per local rank of the engine: its daemon's stats, or why there are none."""
+    """One entry per local rank of the engine and group (the model's ranks, then the draft
+    model's): its daemon's stats, or why there are none."""
     lay = layout_from_policy(policy)
     out = []
     sdir = protocol.socket_dir(lay.socket_dir)
-    # the engine's ranks: DP rank 0 of this service (one replica per policy)
-    for uuid in expected_uuids(lay)[: lay.tp_size]:
-        path = sdir / protocol.socket_name(uuid)
-        try:
-            reply, fds = protocol.request(path, {"op": "stats"}, timeout=5.0, connect_timeout=policy.ipc["connect_timeout_s"])
-            protocol._close(fds)
-            out.append({"device_uuid": uuid, "socket": str(path), **reply})
-        except FileNotFoundError:
-            out.append({"device_uuid": uuid, "socket": str(path), "state": "absent"})
-        except (ConnectionError, OSError, TimeoutError, protocol.ProtocolError) as e:
-            out.append({"device_uuid": uuid, "socket": str(path), "state": "unreachable", "error": str(e)})
+    for draft in _groups(lay):
+        # the engine's ranks: DP rank 0 of this service (one replica per policy)
+        for uuid in expected_uuids(lay)[: lay.tp_size]:
+            path = sdir / protocol.socket_name(uuid, draft)
+            where = {"device_uuid": uuid, "socket": str(path), "draft": draft}
+            try:
+                reply, fds = protocol.request(path, {"op": "stats"}, timeout=5.0,
+                                              connect_timeout=policy.ipc["connect_timeout_s"])
+                protocol._close(fds)
+                out.append({**where, **reply})
+            except FileNotFoundError:
+                out.append({**where, "state": "absent"})
+            except (ConnectionError, OSError, TimeoutError, protocol.ProtocolError) as e:
+                out.append({**where, "state": "unreachable", "error": str(e)})
     return out
 
 
@@ -48,12 +57,13 @@ def send_all(policy, op: str, force: bool = False) -> list[dict]:
     lay = layout_from_policy(policy)
     sdir = protocol.socket_dir(lay.socket_dir)
     out = []
-    for uuid in expected_uuids(lay):
-        path = sdir / protocol.socket_name(uuid)
-        try:
-            reply, fds = protocol.request(path, {"op": op, "force": force}, timeout=10.0)
-            protocol._close(fds)
-            out.append({"device_uuid": uuid, **reply})
-        except (OSError, TimeoutError, protocol.ProtocolError) as e:
-            out.append({"device_uuid": uuid, "ok": False, "error": str(e)})
+    for draft in _groups(lay):
+        for uuid in expected_uuids(lay):
+            path = sdir / protocol.socket_name(uuid, draft)
+            try:
+                reply, fds = protocol.request(path, {"op": op, "force": force}, timeout=10.0)
+                protocol._close(fds)
+                out.append({"device_uuid": uuid, "draft": draft, **reply})
+            except (OSError, TimeoutError, protocol.ProtocolError) as e:
+                out.append({"device_uuid": uuid, "draft": draft, "ok": False, "error": str(e)})
     return out

@@ -72,16 +72,16 @@ def _attach_once(path, hello: dict, cfg: IPCConfig) -> tuple[dict, list[int]]:
     return reply, fds
 
 
-def attach(engine, raw_config: dict, device_uuid: str, fingerprint: dict) -> None:
-    """Fill `engine` from the daemon, or from disk when allowed; records the
-    result in engine.load_info (ipc = hit | fallback, and why)."""
+def attach(engine, raw_config: dict, device_uuid: str, fingerprint: dict, draft: bool = False) -> None:
+    """Fill `engine` from the daemon (the draft group's when `draft`), or from disk when
+    allowed; records the result in engine.load_info (ipc = hit | fallback, and why)."""
     import torch
 
     from restartkit.weightcache.arena import open_cuda, open_memfd, views
 
     cfg = IPCConfig.parse(raw_config)
     sdir = protocol.socket_dir(cfg.socket_dir)
-    path = sdir / protocol.socket_name(device_uuid)
+    path = sdir / protocol.socket_name(device_uuid, draft)
     hello = {"protocol": protocol.PROTOCOL_VERSION, "device_uuid": device_uuid, "fingerprint": fingerprint}
     t0 = time.perf_counter()
     deadline = time.monotonic() + cfg.state_timeout_s
