@@ -85,6 +85,12 @@ def _activate(service, new, status_path, out: Outcome, old) -> tuple[str, dict]:
                      new_pid=new.pid, old_pid=old.pid, private_port=st["admin_port"])
     if load.get("ipc") != "hit":
         raise RuntimeError(f"the new engine did not attach from the weight cache: {load.get('ipc')}({load.get('fallback_reason')})")
+    if service.policy.service["draft_model"]:
+        draft = load.get("draft") or {}
+        out.proof["draft"] = draft.get("ipc") or draft.get("source") or "not loaded"
+        if out.proof["draft"] != "hit":
+            raise RuntimeError("the new engine did not attach its draft model from the weight cache: "
+                               f"{out.proof['draft']}({draft.get('fallback_reason')})")
     return private, new_stats
 
 

@@ -129,7 +129,7 @@ class Service:
                 return {"daemons": daemons, "expected": []}
             lay = layout_from_policy(self.policy)
             expected = []  # in daemon_stats' order: the model's ranks, then the draft model's
-            for model, draft in [(lay.model, False)] + ([(lay.draft_model, True)] if lay.draft_model else []):
+            for model, draft in lay.groups():
                 digest = checkpoint_digest(model)[0]
                 expected += [fingerprint(model, tp_size=lay.tp_size, tp_rank=r, dp_size=lay.dp_size,
                                          dp_rank=lay.dp_start_rank, expert_parallel=lay.expert_parallel,

@@ -289,12 +289,13 @@ def test_a_draft_model_restarts_through_its_own_group(make_policy, sockdir, prel
     from restartkit.reference.checkpoint import write_checkpoint
     draft = write_checkpoint(tmp_path / "draft", "tiny", seed=7)  # other weights, same tokenizer
     policy = ipc_policy(make_policy, sockdir, service_extra=f'draft_model = "{draft}"\nnum_speculative_tokens = 2\n')
+    policy.write_text(policy.read_text().replace("[restart]\n", '[restart]\noverlap = true\noverlap_mode = "prestart"\n'))
     start_preload(policy, preloads)
     names = sorted(p.name for p in sockdir.iterdir() if p.suffix == ".sock")
     assert len(names) == 2 and names[1].endswith("_draft.sock")
     service_cleanup(policy)
     assert run_cli("start", "--policy", policy).returncode == 0
-    code, rec = restart(policy, "--strategy", "auto", "--strict")
+    code, rec = restart(policy, "--strategy", "auto", "--no-overlap", "--strict")
     assert code == 0 and rec["served_by"] == "ipc", rec
     proof = rec["attempts"][0]["proof"]
     assert proof["ipc"] == "hit" and proof["draft"] == "hit" and rec["proof"]["canary_identical"] is True
@@ -304,6 +305,9 @@ def test_a_draft_model_restarts_through_its_own_group(make_policy, sockdir, prel
     assert stats["load"]["draft"]["ipc"] == "hit"
     daemons = json.loads(run_cli("weightcache", "status", "--policy", policy, "--json").stdout)["daemons"]
     assert [d["draft"] for d in daemons] == [False, True] and all(stats["pid"] in d["attached"] for d in daemons)
+    # prepared beside the old engine, the draft too
+    code, rec = restart(policy, "--strategy", "ipc", "--overlap", "--strict")
+    assert code == 0 and rec["attempts"][0]["proof"]["draft"] == "hit" and rec["proof"]["canary_identical"] is True
     # the draft group's daemon gone: plan names it and does not offer ipc
     os.kill(daemons[1]["pid"], signal.SIGTERM)
     deadline = time.monotonic() + 10

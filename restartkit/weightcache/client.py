@@ -25,18 +25,13 @@ def _checkpoint_dtype(model: str) -> str:
         return "bfloat16"
 
 
-def _groups(lay: Layout) -> list[bool]:
-    """The daemon groups of a layout: the model's, then the draft model's when there is one."""
-    return [False, True] if lay.draft_model else [False]
-
-
 def daemon_stats(policy) -> list[dict]:
     """One entry per local rank of the engine and group (the model's ranks, then the draft
     model's): its daemon's stats, or why there are none."""
     lay = layout_from_policy(policy)
     out = []
     sdir = protocol.socket_dir(lay.socket_dir)
-    for draft in _groups(lay):
+    for _, draft in lay.groups():
         # the engine's ranks: DP rank 0 of this service (one replica per policy)
         for uuid in expected_uuids(lay)[: lay.tp_size]:
             path = sdir / protocol.socket_name(uuid, draft)
@@ -57,7 +52,7 @@ def send_all(policy, op: str, force: bool = False) -> list[dict]:
     lay = layout_from_policy(policy)
     sdir = protocol.socket_dir(lay.socket_dir)
     out = []
-    for draft in _groups(lay):
+    for _, draft in lay.groups():
         for uuid in expected_uuids(lay):
             path = sdir / protocol.socket_name(uuid, draft)
             try:

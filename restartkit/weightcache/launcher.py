@@ -53,6 +53,10 @@ class Layout:
             raise UsageError(f"--weight-cache-master-port {self.weight_cache_master_port} is the engine's master port too",
                              hint="the weight cache's rendezvous needs a port of its own: pick another --weight-cache-master-port")
 
+    def groups(self) -> list[tuple[str, bool]]:
+        """(checkpoint, is the draft group): the model's daemons, then the draft model's."""
+        return [(self.model, False)] + ([(self.draft_model, True)] if self.draft_model else [])
+
     def local_ranks(self) -> list[dict]:
         local = self.tp_size * self.dp_size // self.nnodes
         out = []
@@ -93,8 +97,7 @@ class Launcher:
 
     def spawn(self) -> None:
         uuids = expected_uuids(self.layout)
-        groups = [(self.layout.model, False)] + ([(self.layout.draft_model, True)] if self.layout.draft_model else [])
-        for model, draft in groups:
+        for model, draft in self.layout.groups():
             for spec, uuid in zip(self.layout.local_ranks(), uuids):
                 argv = [sys.executable, "-m", "restartkit.weightcache.daemon", "--model", model,
                         "--device", spec["device"], "--device-uuid", uuid,

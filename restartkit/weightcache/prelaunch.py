@@ -54,9 +54,7 @@ def wait_until_ready(layout, timeout: float, say, health: str | None = None) -> 
     from restartkit.weightcache.launcher import expected_uuids
     sdir = protocol.socket_dir(layout.socket_dir)
     uuids = expected_uuids(layout)
-    paths = [sdir / protocol.socket_name(u) for u in uuids]
-    if layout.draft_model:
-        paths += [sdir / protocol.socket_name(u, draft=True) for u in uuids]
+    paths = [sdir / protocol.socket_name(u, draft) for _, draft in layout.groups() for u in uuids]
     deadline = time.monotonic() + timeout
     states: dict = {}
     while time.monotonic() < deadline:

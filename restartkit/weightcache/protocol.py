@@ -138,7 +138,12 @@ def request(path: str | Path, message: dict, timeout: float = 30.0, connect_time
     try:
         sock.settimeout(connect_timeout)
         sock.connect(str(path))
-        send(sock, message, timeout=timeout)
+        try:
+            send(sock, message, timeout=timeout)
+        except (BrokenPipeError, ConnectionResetError):
+            # a daemon that refuses a peer (another uid) answers and closes before reading:
+            # its answer, already here, says why
+            return recv(sock, timeout=timeout)
         return recv(sock, timeout=timeout)
     finally:
         sock.close()
