@@ -165,8 +165,9 @@ class Service:
         if self.adapter is None:
             raise UsageError(self.adapter_problem)
         if problem := self.adapter.model_problem(self.policy):
+            key = "draft_model" if problem.startswith(("draft_model", "the draft model")) else "model"
             raise EngineStartError(f"cannot start {self.policy.name}: {problem}",
-                                   hint="fix [service] model in " + self.policy.path)
+                                   hint=f"fix [service] {key} in {self.policy.path}")
         if holder := self.port_holder():
             s = self.policy.service
             raise EngineStartError(f"port {s['port']} is already in use by {holder}",

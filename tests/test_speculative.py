@@ -1,10 +1,14 @@
 """Speculative decoding in the reference engine: a draft model proposes tokens, the
 model checks them in one forward pass; the output is the model's own greedy output
 whatever the draft proposes."""
+import json
+import shutil
+
 import pytest
 
 from restartkit.reference.checkpoint import write_checkpoint
 from restartkit.reference.engine import Engine, EngineOptions
+from tests.conftest import run_cli
 
 PROMPTS = [[256, 10, 20, 30, 40], [256, 1], [256, 99, 98, 97, 96, 95, 94, 93, 92]]
 
@@ -48,3 +52,15 @@ def test_sampling_does_not_use_the_draft(tiny_model, other_draft):
     p = [256, 1, 2, 3]
     assert spec.generate(p, 8, temperature=1.0, seed=3).tokens == plain.generate(p, 8, temperature=1.0, seed=3).tokens
     assert spec.spec_counts["rounds"] == 0
+
+
+def test_a_draft_with_another_tokenizer_is_refused_before_anything_starts(make_policy, tmp_path, tiny_model):
+    bad = tmp_path / "other-vocab"
+    shutil.copytree(tiny_model, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "vocab_size": 999}))
+    policy = make_policy(service_extra=f'draft_model = "{bad}"\n')
+    r = run_cli("start", "--policy", policy)
+    assert r.returncode != 0
+    assert "vocab_size is 999" in r.stderr and "[service] draft_model" in r.stderr, r.stderr
+    assert run_cli("status", "--policy", policy).returncode != 0  # nothing was started

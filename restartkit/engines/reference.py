@@ -5,7 +5,7 @@ import os
 
 from restartkit import __version__, http
 from restartkit.engines.base import EngineAdapter, LaunchSpec, python
-from restartkit.reference.layout import model_dir_ok
+from restartkit.reference.layout import draft_problem, model_dir_ok
 
 
 class ReferenceAdapter(EngineAdapter):
@@ -34,7 +34,10 @@ class ReferenceAdapter(EngineAdapter):
         return LaunchSpec(argv=argv, env=dict(s["env"]))
 
     def model_problem(self, policy) -> str | None:
-        return model_dir_ok(policy.service["model"])
+        s = policy.service
+        if problem := model_dir_ok(s["model"]):
+            return problem
+        return draft_problem(s["model"], s["draft_model"]) if s["draft_model"] else None
 
     def ipc_args(self, policy) -> list[str]:
         """Flags that make the engine load through the weight cache."""

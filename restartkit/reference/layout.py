@@ -30,3 +30,16 @@ def model_dir_ok(path: str) -> str | None:
     if not any(p.glob("*.safetensors")):
         return f"{path} has no *.safetensors files"
     return None
+
+
+def draft_problem(model: str, draft: str) -> str | None:
+    """None when `draft` can serve as `model`'s draft model (same tokenizer), else why not."""
+    import json
+    if problem := model_dir_ok(draft):
+        return f"draft_model: {problem}"
+    mine, its = (json.loads((Path(d) / "config.json").read_text()) for d in (model, draft))
+    for key in ("vocab_size", "bos_token_id", "eos_token_id"):
+        if mine.get(key) != its.get(key):
+            return (f"the draft model's {key} is {its.get(key)}, the model's {mine.get(key)}: a draft model "
+                    f"must share the model's tokenizer ({draft})")
+    return None

@@ -521,13 +521,11 @@ def _make_draft(args):
 
 
 def _prepare_draft(engine, draft, weights=None) -> None:
+    from restartkit.reference.layout import draft_problem
     t0 = time.perf_counter()
+    if problem := draft_problem(engine.options.model, draft.options.model):
+        raise ValueError(problem)
     draft.prepare(weights=weights)
-    mine, its = engine.config, draft.config
-    for key in ("vocab_size", "bos_token_id", "eos_token_id"):
-        if getattr(mine, key) != getattr(its, key):
-            raise ValueError(f"the draft model's {key} is {getattr(its, key)}, the model's {getattr(mine, key)}: "
-                             "a draft model must share the model's tokenizer")
     engine.phases["draft_prepare"] = round(time.perf_counter() - t0, 4)
 
 
