@@ -68,7 +68,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "expert_parallel": Key(bool, False),
         "quantization": Key(str, "none", ("none", "int8"), "weight-only quantization applied at load (processed weights)"),
         "max_model_len": Key(int, 1024, check=_positive),
-        "draft_model": Key(str, "", doc="a draft checkpoint (reference engine, TP1): greedy requests decode "
+        "draft_model": Key(str, "", doc="a draft checkpoint (reference engine): greedy requests decode "
                                          "speculatively with it, and the weight cache serves it in its own group"),
         "num_speculative_tokens": Key(int, 3, check=_positive, doc="draft tokens proposed per round"),
         "engine_args": Key(list, [], doc="extra command-line arguments for the engine"),
@@ -219,9 +219,6 @@ def parse_policy(data: dict, path: str = "<policy>") -> Policy:
         if svc["engine"] != "reference":
             raise PolicyError(path, "service.draft_model", f"is for the reference engine, not {svc['engine']!r}",
                               "give the engine its own speculative-decoding arguments in engine_args")
-        if svc["tensor_parallel_size"] > 1:
-            raise PolicyError(path, "service.draft_model", "needs tensor_parallel_size = 1",
-                              "the reference engine decodes speculatively on one rank only")
         if sections["sleep"]["enabled"]:
             raise PolicyError(path, "service.draft_model", "cannot be combined with [sleep] enabled",
                               "sleep parks the model's weights only: drop one of them")

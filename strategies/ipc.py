@@ -105,9 +105,10 @@ class IPCStrategy(BaseStrategy):
         proof = {"ipc": load.get("ipc"), "ranks": ranks, "mode": load.get("mode"),
                  "attach_s": load.get("attach_s"), "weight_source": load.get("source")}
         missed = None if all(r == "hit" for r in ranks) else load
-        if service.policy.service["draft_model"]:  # the draft model must come from its own group too
+        if service.policy.service["draft_model"]:  # the draft model must come from its own group too, every rank
             draft = load.get("draft") or {}
-            proof["draft"] = draft.get("ipc") or draft.get("source") or "not loaded"
+            draft_ranks = draft.get("ranks") or [draft.get("ipc") or draft.get("source") or "not loaded"]
+            proof["draft"] = "hit" if all(r == "hit" for r in draft_ranks) else "/".join(draft_ranks)
             if proof["draft"] != "hit" and missed is None:
                 missed = {**draft, "fallback_field": f"draft: {draft.get('fallback_field') or proof['draft']}"}
         out = Outcome(self.name, ok=True, phases=phases, engine_phases=started.engine_phases, proof=proof)

@@ -318,6 +318,28 @@ def test_a_draft_model_restarts_through_its_own_group(make_policy, sockdir, prel
     assert plan["attempt"] != "ipc" and any("(draft model)" in r for r in ipc["reasons"]), ipc
 
 
+def test_a_draft_model_at_tp2_changes_no_output_and_attaches_on_every_rank(make_policy, sockdir, preloads,
+                                                                           service_cleanup, tmp_path):
+    from restartkit.policy import load_policy
+    draft = write_checkpoint(tmp_path / "draft", "tiny", seed=7)
+    policy = ipc_policy(make_policy, sockdir, service_extra="tensor_parallel_size = 2\n")
+    service_cleanup(policy)
+    assert run_cli("start", "--policy", policy).returncode == 0  # no draft yet
+    policy.write_text(policy.read_text().replace("tensor_parallel_size = 2\n",
+                                                 f'tensor_parallel_size = 2\ndraft_model = "{draft}"\n'))
+    # a restart that adds the draft: the canary (the model's greedy output) must not change
+    code, rec = restart(policy, "--strategy", "cold", "--strict")
+    assert code == 0 and rec["proof"]["canary_identical"] is True, rec
+    start_preload(policy, preloads)
+    code, rec = restart(policy, "--strategy", "ipc", "--strict")
+    assert code == 0 and rec["served_by"] == "ipc", rec
+    proof = rec["attempts"][0]["proof"]
+    assert proof["ranks"] == ["hit", "hit"] and proof["draft"] == "hit" and rec["proof"]["canary_identical"] is True
+    port = load_policy(policy).service["port"]
+    stats = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/stats", timeout=5).read())
+    assert stats["speculative"]["rounds"] > 0 and stats["load"]["draft"]["ranks"] == ["hit", "hit"]
+
+
 def test_rollout_starts_the_cache_and_proves_it(make_policy, sockdir, service_cleanup):
     policy = ipc_policy(make_policy, sockdir)  # the policy itself allows fallback
     service_cleanup(policy)

@@ -34,7 +34,6 @@ def test_defaults_are_filled():
     ({"service": {"name": "s"}}, "service.model", "required"),
     ({**BASE, "extra": {}}, "extra", "sections are"),
     (with_("ipc", draft_model="/d"), "ipc.draft_model", "[service] draft_model"),
-    (with_("service", draft_model="/d", tensor_parallel_size=2), "service.draft_model", "tensor_parallel_size = 1"),
     (with_("service", draft_model="/d", engine="vllm"), "service.draft_model", "engine_args"),
     (with_("service", draft_model="/d", num_speculative_tokens=0), "service.num_speculative_tokens", "greater than 0"),
 ])

@@ -101,7 +101,7 @@ class Engine:
         self.config = ModelConfig.load(self.options.model)
         if problem := check_parallel(self.config, self.par):
             raise ValueError(problem)
-        if self.options.tp_size > 1:
+        if self.options.tp_size > 1 and getattr(self, "_control", None) is None:  # a draft shares its model's
             self._timed("dist_init", self.init_distributed)
         self._weights = weights or self.load_from_disk
         if before_weights is not None:

@@ -329,8 +329,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens proposed per round")
     args = p.parse_args(argv)
     if args.draft_model:
-        if args.tensor_parallel_size > 1:
-            p.error("--draft-model is supported at --tensor-parallel-size 1 only")
         if args.enable_sleep_mode:
             p.error("--draft-model cannot be combined with --enable-sleep-mode")
         if args.num_speculative_tokens < 1:
@@ -421,6 +419,8 @@ def _rebuild_argv(args) -> list[str]:
         out.append("--enable-expert-parallel")
     if args.no_cuda_graph:
         out.append("--no-cuda-graph")
+    if args.draft_model:
+        out += ["--draft-model", args.draft_model, "--num-speculative-tokens", str(args.num_speculative_tokens)]
     return out
 
 
@@ -445,12 +445,13 @@ def serve_worker(args) -> int:
     return 0
 
 
-def _make_engine(args):
+def _make_engine(args, draft: bool = False):
+    """This rank's engine for the model, or for the draft model (no CUDA graph: speculative decoding runs it)."""
     from restartkit.reference.engine import Engine, EngineOptions
 
     rank = args.worker_rank
-    opts = EngineOptions(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                         cuda_graph=not args.no_cuda_graph,
+    opts = EngineOptions(model=args.draft_model if draft else args.model, device=args.device, dtype=args.dtype,
+                         max_model_len=args.max_model_len, cuda_graph=not (args.no_cuda_graph or draft),
                          tp_size=args.tensor_parallel_size, tp_rank=rank,
                          expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
                          dist_init=f"tcp://127.0.0.1:{args.dist_port}")
@@ -469,7 +470,7 @@ def _start_engine(engine, args, gate=None) -> None:
         waited = wait_for_previous_engine()
         engine.phases["wait_previous"] = round(waited, 4)
 
-    draft = _make_draft(args)
+    draft = _make_engine(args, draft=True) if args.draft_model else None
     if args.load_format != "ipc_cache":
         engine.prepare(before_weights=previous)
         if draft:
@@ -511,20 +512,12 @@ def _ipc_weights(engine, args, is_draft: bool = False):
     return weights
 
 
-def _make_draft(args):
-    """The draft model's engine (same device, dtype, quantization and length; no CUDA graph), or None."""
-    if not args.draft_model:
-        return None
-    from restartkit.reference.engine import Engine, EngineOptions
-    return Engine(EngineOptions(model=args.draft_model, device=args.device, dtype=args.dtype,
-                                max_model_len=args.max_model_len, cuda_graph=False, quantization=args.quantization))
-
-
 def _prepare_draft(engine, draft, weights=None) -> None:
     from restartkit.reference.layout import draft_problem
     t0 = time.perf_counter()
     if problem := draft_problem(engine.options.model, draft.options.model):
         raise ValueError(problem)
+    draft._control = getattr(engine, "_control", None)  # tensor parallel: the model's process groups
     draft.prepare(weights=weights)
     engine.phases["draft_prepare"] = round(time.perf_counter() - t0, 4)
 
