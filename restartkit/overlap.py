@@ -86,8 +86,8 @@ def _activate(service, new, status_path, out: Outcome, old) -> tuple[str, dict]:
     if load.get("ipc") != "hit":
         raise RuntimeError(f"the new engine did not attach from the weight cache: {load.get('ipc')}({load.get('fallback_reason')})")
     if service.policy.service["draft_model"]:
-        draft = load.get("draft") or {}
-        out.proof["draft"] = draft.get("ipc") or draft.get("source") or "not loaded"
+        from restartkit.strategies.ipc import draft_proof
+        out.proof["draft"], draft = draft_proof(load)
         if out.proof["draft"] != "hit":
             raise RuntimeError("the new engine did not attach its draft model from the weight cache: "
                                f"{out.proof['draft']}({draft.get('fallback_reason')})")
@@ -180,11 +180,10 @@ def _prestart(service, old, out: Outcome) -> Outcome:
 
 
 def _canary_at(service, base: str, first_only: bool = False) -> list[list[int]]:
-    r = service.policy.restart
-    prompts = r["canary_prompts"][:1] if first_only else r["canary_prompts"]
-    body = lambda p: {"model": service.adapter.served_name(service.policy), "prompt": p,  # noqa: E731
-                      "max_tokens": r["canary_max_tokens"], "temperature": 0.0}
-    return [http.post(base + "/v1/completions", body(p), timeout=60)["choices"][0]["token_ids"] for p in prompts]
+    pol = service.policy
+    prompts = pol.restart["canary_prompts"][:1] if first_only else pol.restart["canary_prompts"]
+    return [service.adapter.completion(pol, p, pol.restart["canary_max_tokens"], base=base)["choices"][0]["token_ids"]
+            for p in prompts]
 
 
 class DowntimeProbe:

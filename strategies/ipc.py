@@ -37,6 +37,19 @@ def not_with_sleep_zero_copy(facts: Facts, policy) -> str | None:
     return None
 
 
+def _daemon(d: dict) -> str:
+    """A daemon as plan names it: its device, and which group it serves."""
+    return f"{d['device_uuid']}{' (draft model)' if d.get('draft') else ''}"
+
+
+def draft_proof(load: dict) -> tuple[str, dict]:
+    """From an engine's load stats: "hit" when every rank attached its draft model from the weight
+    cache, else what the ranks did ("fallback", "disk", "hit/fallback", ...); and the draft's stats."""
+    draft = load.get("draft") or {}
+    ranks = draft.get("ranks") or [draft.get("ipc") or draft.get("source") or "not loaded"]
+    return ("hit" if all(r == "hit" for r in ranks) else "/".join(ranks)), draft
+
+
 def daemons_ready(facts: Facts, policy) -> str | None:
     if policy.service["engine"] != "reference":
         return engine_cache_healthy(policy)
@@ -48,7 +61,7 @@ def daemons_ready(facts: Facts, policy) -> str | None:
         return "no weight-cache daemon information"
     if bad:
         d = bad[0]
-        which = f"{d['device_uuid']}{' (draft model)' if d.get('draft') else ''}"
+        which = _daemon(d)
         if d["state"] == "absent":
             return f"no weight-cache daemon for {which}: start one with `restartkit preload --policy {policy.path}`"
         return f"the weight-cache daemon for {which} is {d['state']}" + (f" ({d['error']})" if d.get("error") else "")
@@ -64,7 +77,7 @@ def fingerprints_match(facts: Facts, policy) -> str | None:
             continue
         diffs = differences(d.get("fingerprint") or {}, want)
         if diffs:
-            reasons.append(f"{d['device_uuid']}{' (draft model)' if d.get('draft') else ''}: {describe(diffs)}")
+            reasons.append(f"{_daemon(d)}: {describe(diffs)}")
     return ("the daemon holds other weights than the engine wants: " + " | ".join(reasons)) if reasons else None
 
 
@@ -106,9 +119,7 @@ class IPCStrategy(BaseStrategy):
                  "attach_s": load.get("attach_s"), "weight_source": load.get("source")}
         missed = None if all(r == "hit" for r in ranks) else load
         if service.policy.service["draft_model"]:  # the draft model must come from its own group too, every rank
-            draft = load.get("draft") or {}
-            draft_ranks = draft.get("ranks") or [draft.get("ipc") or draft.get("source") or "not loaded"]
-            proof["draft"] = "hit" if all(r == "hit" for r in draft_ranks) else "/".join(draft_ranks)
+            proof["draft"], draft = draft_proof(load)
             if proof["draft"] != "hit" and missed is None:
                 missed = {**draft, "fallback_field": f"draft: {draft.get('fallback_field') or proof['draft']}"}
         out = Outcome(self.name, ok=True, phases=phases, engine_phases=started.engine_phases, proof=proof)

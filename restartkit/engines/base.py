@@ -33,10 +33,13 @@ class EngineAdapter:
         return f"http://{host}:{policy.service['port']}"
 
     # ---- proof -----------------------------------------------------------
-    def completion(self, policy, prompt, max_tokens: int, timeout: float = 60.0) -> dict:
+    completion_extra: dict = {}  # more request fields this engine's completions ask for
+
+    def completion(self, policy, prompt, max_tokens: int, timeout: float = 60.0, base: str | None = None) -> dict:
+        """A greedy completion from the engine at `base` (default: the service's own URL)."""
         body = {"model": self.served_name(policy), "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0.0, "return_token_ids": True}
-        return http.post(self.base_url(policy) + "/v1/completions", body, timeout=timeout)
+                "temperature": 0.0, "return_token_ids": True, **self.completion_extra}
+        return http.post((base or self.base_url(policy)) + "/v1/completions", body, timeout=timeout)
 
     def probe(self, policy) -> None:
         """Ready means a real completion answered, not a 200 from /health."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 
-from restartkit import http
 from restartkit.engines.base import EngineAdapter, LaunchSpec
 
 PLACEHOLDERS = ("model", "host", "port", "max_model_len", "tensor_parallel_size", "served_model_name")
@@ -20,6 +19,7 @@ PLACEHOLDERS = ("model", "host", "port", "max_model_len", "tensor_parallel_size"
 
 class CommandAdapter(EngineAdapter):
     name = "command"
+    completion_extra = {"logprobs": 1}  # logprob tokens: the canary's fallback when no token ids come back
 
     def _values(self, policy) -> dict:
         s = policy.service
@@ -55,17 +55,9 @@ class CommandAdapter(EngineAdapter):
     def version(self) -> str | None:
         return None
 
-    def served_name(self, policy) -> str:
-        return policy.service["model"]
-
     def feature_problems(self, policy) -> dict[str, str | None]:
         return {"ipc": "a generic command engine has no loader for restartkit's weight cache",
                 "sleep": "a generic command engine has no sleep interface restartkit knows"}
-
-    def completion(self, policy, prompt, max_tokens: int, timeout: float = 60.0) -> dict:
-        body = {"model": self.served_name(policy), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "return_token_ids": True, "logprobs": 1}
-        return http.post(self.base_url(policy) + "/v1/completions", body, timeout=timeout)
 
     def canary(self, policy) -> list[list]:
         r = policy.restart

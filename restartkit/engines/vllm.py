@@ -159,10 +159,8 @@ def gpu_sleep_problem(policy) -> str | None:
 
 def checkpoint_bytes(model: str) -> int | None:
     """Bytes of the safetensors of a local checkpoint directory (None for a hub id)."""
-    import glob
-    import os
-    files = glob.glob(os.path.join(model, "*.safetensors"))
-    return sum(os.path.getsize(f) for f in files) or None
+    from restartkit.reference.layout import shard_files
+    return sum(f.stat().st_size for f in shard_files(model) if f.exists()) or None
 
 
 def parse_ipc_log(text: str, world_size: int) -> dict:
