@@ -181,7 +181,9 @@ def start(policy_path, as_json):
         return
     started = svc.start_engine("cold")
     svc.canary()
-    emit({"state": "serving", "pid": started.process.pid, "ready_s": started.ready_s, "phases": started.engine_phases},
+    readiness = {"signalled": started.process.ready_signalled, "probes": started.process.probes}
+    emit({"state": "serving", "pid": started.process.pid, "ready_s": started.ready_s, "phases": started.engine_phases,
+          "readiness": readiness},
          as_json, f"{svc.policy.name} serving (PID {started.process.pid}) after {started.ready_s:.2f} s; log: {svc.log_path}")
 
 

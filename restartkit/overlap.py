@@ -71,6 +71,7 @@ def _spawn_prepared(service, name: str):
     status_path.unlink(missing_ok=True)
     args = service.adapter.ipc_args(service.policy) + ["--prepare-only", "--status-file", str(status_path)]
     new, _ = service.spawn(name, args)
+    new.close_ready_fd()  # readiness comes through the status file here
     return new, status_path
 
 

@@ -197,14 +197,27 @@ class Service:
         self.ensure_state_dir()
         spec = self.adapter.launch(self.policy, list(extra_args))
         env = {**os.environ, **spec.env, **(extra_env or {}), "RESTARTKIT_SPAWN_TIME": repr(time.time())}
-        with open(self.log_path, "ab") as log:
-            log_offset = log.tell()
-            log.write(f"\n==== {time.strftime('%Y-%m-%dT%H:%M:%S')} restartkit start ({strategy}): {' '.join(spec.argv)}\n".encode())
-            log.flush()
-            popen = self.seam.popen(spec.argv, stdin=subprocess_devnull(), stdout=log, stderr=log,
-                                    env=env, start_new_session=True, close_fds=True)
+        ready_r = ready_w = None
+        if self.adapter.signals_ready:  # a pipe the engine writes one byte to when it is ready
+            ready_r, ready_w = os.pipe()
+            env["RESTARTKIT_READY_FD"] = str(ready_w)
+        try:
+            with open(self.log_path, "ab") as log:
+                log_offset = log.tell()
+                log.write(f"\n==== {time.strftime('%Y-%m-%dT%H:%M:%S')} restartkit start ({strategy}): {' '.join(spec.argv)}\n".encode())
+                log.flush()
+                popen = self.seam.popen(spec.argv, stdin=subprocess_devnull(), stdout=log, stderr=log, env=env,
+                                        start_new_session=True, close_fds=True,
+                                        pass_fds=(ready_w,) if ready_w is not None else ())
+        except BaseException:
+            if ready_r is not None:
+                os.close(ready_r)
+            raise
+        finally:
+            if ready_w is not None:
+                os.close(ready_w)
         return EngineProcess(pid=popen.pid, create_time=_create_time(popen.pid), log_path=self.log_path,
-                             popen=popen, seam=self.seam), log_offset
+                             popen=popen, seam=self.seam, ready_fd=ready_r), log_offset
 
     def adopt(self, pid: int, strategy: str) -> EngineProcess:
         """Record a process restartkit did not spawn itself (a CRIU restore) as the engine."""

@@ -124,6 +124,9 @@ class EngineProcess:
     seam: Seam = field(default_factory=Seam)
     state: ProcState = ProcState.STARTING
     history: list[tuple[str, float]] = field(default_factory=list)
+    ready_fd: int | None = None  # read end of the engine's ready signal (see EngineAdapter.signals_ready)
+    ready_signalled: bool = False  # the engine said it was ready through ready_fd
+    probes: int = 0  # readiness probes sent by wait_ready
 
     def to(self, new: ProcState) -> None:
         if new not in ALLOWED[self.state]:
@@ -139,14 +142,19 @@ class EngineProcess:
             return self.popen.poll() is None
         return self.seam.alive(self.pid, self.create_time)
 
-    def wait_ready(self, probe: Callable[[], None], timeout_s: float, interval_s: float = 0.05) -> float:
+    def wait_ready(self, probe: Callable[[], None], timeout_s: float, interval_s: float = 0.05,
+                   signal_interval_s: float = 1.0) -> float:
         """Probe until it passes; returns seconds waited.  Raises
-        EngineStartError (state FATAL) when the process exits or the deadline passes."""
+        EngineStartError (state FATAL) when the process exits or the deadline passes.
+        With a ready signal (ready_fd), probe when it comes (or every signal_interval_s,
+        in case it never does) instead of every interval_s: no polling lag, and no
+        stream of probes answered by an engine that is busy starting."""
         t0 = self.seam.clock()
 
         def attempt():
             if not self.alive():
                 raise ExitedEarly()
+            self.probes += 1
             try:
                 probe()
             except Exception as e:
@@ -158,9 +166,9 @@ class EngineProcess:
 
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_delay(timeout_s),
-            wait=tenacity.wait_fixed(interval_s),
+            wait=lambda _: signal_interval_s if self.ready_fd is not None else interval_s,
             retry=tenacity.retry_if_exception_type(NotReady),
-            sleep=self.seam.sleep,
+            sleep=self._wait_signal,
             reraise=True,
         )
         try:
@@ -180,10 +188,28 @@ class EngineProcess:
                 f"the engine (PID {self.pid}) was not ready within {timeout_s:.0f} s (last probe: {e})",
                 hint=f"raise [restart] start_timeout_s if the model is large; see the log: {self.log_path}",
                 log_tail=log_tail(self.log_path)) from None
+        finally:
+            self.close_ready_fd()
         if self.state is ProcState.BACKOFF:
             self.to(ProcState.STARTING)
         self.to(ProcState.READY)
         return self.seam.clock() - t0
+
+    def _wait_signal(self, seconds: float) -> None:
+        """Sleep until the engine's ready byte arrives, or `seconds`."""
+        import select
+        if self.ready_fd is None:
+            return self.seam.sleep(seconds)
+        if select.select([self.ready_fd], [], [], seconds)[0]:
+            if os.read(self.ready_fd, 64):
+                self.ready_signalled = True
+            else:  # closed without a word (the engine exited or gave up on it): plain polling from here
+                self.close_ready_fd()
+
+    def close_ready_fd(self) -> None:
+        if self.ready_fd is not None:
+            os.close(self.ready_fd)
+            self.ready_fd = None
 
     def stop(self, timeout_s: float = 30.0, kill_timeout_s: float = 10.0, signalled: bool = False) -> str:
         """SIGTERM, wait, SIGKILL, wait.  Returns how it ended.  `signalled`:

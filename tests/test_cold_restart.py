@@ -46,6 +46,20 @@ def test_cold_restart_is_proven_by_an_identical_canary(make_policy, service_clea
     assert 'restartkit_time_to_ready_seconds{service="svc",strategy="cold"}' in prom
 
 
+def test_the_engine_says_when_it_is_ready_and_keeps_no_pipe(make_policy, service_cleanup):
+    """The reference engine writes its ready byte on restartkit's pipe, so the wait ends with one
+    probe after the signal instead of a probe every 50 ms; then it closes the pipe (a CRIU
+    snapshot of it must not hold a pipe to a process outside it)."""
+    import os
+    policy = make_policy()
+    out = start(policy, service_cleanup)
+    assert out["readiness"]["signalled"] is True
+    # one probe at once, one a second while it starts (polling would send 20 a second), one after the signal
+    assert 1 <= out["readiness"]["probes"] <= 2 + out["ready_s"]
+    pipes = [os.readlink(f"/proc/{out['pid']}/fd/{fd}") for fd in os.listdir(f"/proc/{out['pid']}/fd")]
+    assert not [p for p in pipes if p.startswith("pipe:")], pipes
+
+
 def test_openai_client_is_token_identical_across_a_restart(make_policy, service_cleanup):
     openai = pytest.importorskip("openai")
     policy = make_policy()

@@ -62,3 +62,56 @@ def test_moe_preset_runs(tmp_path):
     eng.start()
     assert len(eng.generate([256, 5, 6], 4).tokens) == 4
     assert "block_sparse_moe.experts.3.w2.weight" in " ".join(n for n, _ in eng.model.named_parameters())
+
+
+def textbook_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """The Hugging Face Llama forward written out plainly (no KV cache, rotate-half with a negation,
+    torch's attention with the KV heads repeated, RMSNorm by rsqrt of the mean square)."""
+    import torch.nn.functional as F
+    cfg = model.config
+    hd, T = cfg.head_dim, tokens.shape[0]
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+
+    def rms(norm, x):
+        return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
+
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    emb = torch.outer(torch.arange(T, dtype=torch.float32), inv).repeat(1, 2)
+    cos, sin = emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
+
+    def rope(x):
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    x = model.model.embed_tokens.weight[tokens]
+    for layer in model.model.layers:
+        a = layer.self_attn
+        h = rms(layer.input_layernorm, x)
+        q = rope((h @ a.q_proj.weight.T).view(T, -1, hd)).transpose(0, 1)
+        k = rope((h @ a.k_proj.weight.T).view(T, -1, hd)).transpose(0, 1).repeat_interleave(group, 0)
+        v = (h @ a.v_proj.weight.T).view(T, -1, hd).transpose(0, 1).repeat_interleave(group, 0)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(T, -1)
+        x = x + o @ a.o_proj.weight.T
+        h = rms(layer.post_attention_layernorm, x)
+        m = layer.mlp
+        x = x + (F.silu(h @ m.gate_proj.weight.T) * (h @ m.up_proj.weight.T)) @ m.down_proj.weight.T
+    return rms(model.model.norm, x) @ model.lm_head.weight.T
+
+
+def test_forward_matches_the_textbook_llama(tiny_model):
+    """The engine's forward (host rotary tables with the sign folded in, fused RMSNorm, attention
+    as two batched matmuls over the masked cache, grouped KV heads) computes the plain Llama."""
+    eng = Engine(EngineOptions(model=str(tiny_model), max_model_len=64, dtype="float32"))
+    eng.start()
+    seq = [256, 10, 20, 30, 40, 50, 60, 70]
+    with torch.inference_mode():
+        got = eng.model(torch.tensor(seq), torch.arange(len(seq)))
+        want = textbook_logits(eng.model, torch.tensor(seq))
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+    # and decode step by step over the cache gives the same last row
+    with torch.inference_mode():
+        eng.model(torch.tensor(seq[:5]), torch.arange(5))
+        for i in range(5, len(seq)):
+            row = eng.model(torch.tensor([seq[i]]), torch.tensor([i]))[0]
+    assert torch.allclose(row, want[-1], atol=1e-4, rtol=1e-4)

@@ -51,6 +51,48 @@ def test_ready_after_backoff():
     assert [s for s, _ in proc.history] == ["backoff", "starting", "ready"]
 
 
+def test_a_ready_signal_ends_the_wait_without_polling():
+    """With the engine's ready pipe, restartkit probes when the byte comes, not every interval:
+    here the fallback interval is a minute, and the wait still ends as soon as the engine writes."""
+    import os
+    import threading
+    import time
+    proc, clock = make(FakePopen())
+    proc.ready_fd, w = os.pipe()
+    ready = threading.Event()
+
+    def probe():
+        if not ready.is_set():
+            raise ConnectionRefusedError("not yet")
+
+    def engine():
+        time.sleep(0.2)
+        ready.set()
+        os.write(w, b"R")
+        os.close(w)
+    threading.Thread(target=engine).start()
+    t0 = time.monotonic()
+    proc.wait_ready(probe, timeout_s=30, interval_s=0.01, signal_interval_s=60)
+    assert time.monotonic() - t0 < 10
+    assert proc.state is ProcState.READY and proc.ready_signalled
+    assert proc.probes == 2  # one before the signal, one after it
+    assert proc.ready_fd is None  # closed once the wait is over
+
+
+def test_a_ready_pipe_closed_without_a_word_falls_back_to_polling():
+    import os
+    proc, clock = make(FakePopen())
+    proc.ready_fd, w = os.pipe()
+    os.close(w)  # e.g. an engine that closed it without writing
+
+    def probe():
+        if proc.probes < 4:
+            raise ConnectionRefusedError("not yet")
+    proc.wait_ready(probe, timeout_s=30, interval_s=0.01, signal_interval_s=60)
+    assert proc.state is ProcState.READY and not proc.ready_signalled
+    assert proc.probes == 4 and proc.ready_fd is None
+
+
 def test_exit_during_start_is_fatal_with_a_reason():
     proc, clock = make(FakePopen(rc_after=1.0, rc=-signal.SIGKILL))
     with pytest.raises(EngineStartError) as e:

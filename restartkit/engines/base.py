@@ -16,6 +16,9 @@ class LaunchSpec:
 class EngineAdapter:
     name = "base"
     waits_for_previous = False  # can a new engine start while the old one tears down (see Service.hand_over)?
+    # does the engine write a byte to the file descriptor in RESTARTKIT_READY_FD once it is ready (and close it)?
+    # restartkit then probes at once instead of polling; the probe (a real completion) still decides
+    signals_ready = False
 
     def launch(self, policy, extra_args: list[str] = ()) -> LaunchSpec:
         raise NotImplementedError

@@ -9,6 +9,7 @@ from restartkit.reference.layout import draft_problem, model_dir_ok
 
 
 class ReferenceAdapter(EngineAdapter):
+    signals_ready = True
     name = "reference"
     waits_for_previous = True  # RESTARTKIT_AFTER_PID: allocates device memory only once its predecessor exited
 

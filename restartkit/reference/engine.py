@@ -263,7 +263,7 @@ class Engine:
             return self._speculate_locked(prompt, max_tokens, want_logprobs)
         dev = self.device
         gen = torch.Generator().manual_seed(seed if seed is not None else self.options.seed)
-        logits = self.model(torch.tensor(prompt, device=dev), torch.arange(len(prompt), device=dev))[-1]
+        logits = self.model(torch.tensor(prompt, device=dev), torch.arange(len(prompt)).to(dev))[-1]
         out, lps, finish = [], [] if want_logprobs else None, "length"
         pos = len(prompt)
         for step in range(max_tokens):
@@ -304,19 +304,19 @@ class Engine:
         def done() -> bool:
             return len(out) >= max_tokens or out[-1] == eos
 
-        take(self.model(torch.tensor(prompt, device=dev), torch.arange(len(prompt), device=dev))[-1])
+        take(self.model(torch.tensor(prompt, device=dev), torch.arange(len(prompt)).to(dev))[-1])
         drafted = 0  # how much of seq the draft's KV cache holds
         while not done():
             pos = len(seq) - 1  # the last token's position: in neither cache yet
             k = min(self.spec_tokens, max_tokens - len(out))
             # the draft catches up on what it has not seen (through the last token), then proposes k
-            logits = draft.model(torch.tensor(seq[drafted:], device=dev), torch.arange(drafted, pos + 1, device=dev))[-1]
+            logits = draft.model(torch.tensor(seq[drafted:], device=dev), torch.arange(drafted, pos + 1).to(dev))[-1]
             props = [int(torch.argmax(logits))]
             for j in range(1, k):
                 logits = draft.model(torch.tensor([props[-1]], device=dev), torch.tensor([pos + j], device=dev))[0]
                 props.append(int(torch.argmax(logits)))
             # row j: this model's logits after the last token and the first j proposals
-            rows = self.model(torch.tensor([seq[-1], *props], device=dev), torch.arange(pos, pos + k + 1, device=dev))
+            rows = self.model(torch.tensor([seq[-1], *props], device=dev), torch.arange(pos, pos + k + 1).to(dev))
             j = 0  # proposals accepted
             while take(rows[j]) == (props[j] if j < k else None):
                 j += 1

@@ -8,6 +8,13 @@ step has fixed shapes and can be captured as a CUDA graph.
 Batch size is one: the engine serves requests one at a time under a lock.
 Attention always runs over the whole cache with a position mask, which keeps
 decode shapes static; for the model sizes used here that costs little.
+
+A restarted engine pays, on its first forward pass, for every kind of GPU
+kernel it launches (the driver loads each kernel module on first use, 10-30 ms
+each on an H200), so the forward pass keeps the kinds few: rotary tables are
+computed on the host, RMSNorm is torch's fused rms_norm, and attention is two
+batched matmuls around a softmax.  scripts/gpu_startup_probe.py --candidates
+measures each choice.
 """
 from __future__ import annotations
 
@@ -144,30 +151,27 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # in float32, then back to the activations' dtype before the weight (as Hugging Face's Llama)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-    t = torch.arange(max_len, dtype=torch.float32, device=device)
-    freqs = torch.outer(t, inv_freq)
+def rope_tables(head_dim: int, max_len: int, theta: float, dtype: torch.dtype,
+                device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every position, [max_len, head_dim] in `dtype`, computed on the host.
+    The first half of sin is negated, so that rotating half of x needs no negation:
+    (-x2) * s == x2 * (-s) exactly, the same values as the "rotate half" form."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    sin = emb.sin()
+    sin[:, : head_dim // 2].neg_()
+    return emb.cos().to(dtype).to(device), sin.to(dtype).to(device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, head_dim]; cos/sin: [T, head_dim]
-    cos = cos.unsqueeze(1).to(x.dtype)
-    sin = sin.unsqueeze(1).to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    # x: [T, heads, head_dim]; cos, sin (first half negated): [T, head_dim] in x's dtype
+    half = x.shape[-1] // 2
+    return x * cos.unsqueeze(1) + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin.unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -183,21 +187,20 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=False)
         self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, positions, cache_k, cache_v, mask):
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+    def forward(self, x, cos, sin, positions, cache_k, cache_v, blocked):
+        """blocked: [T, max_len], True where query t may not see key j."""
+        T, hd, n_kv = x.shape[0], self.head_dim, self.n_kv
+        group = self.n_heads // n_kv  # query heads per KV head
+        q = apply_rope(self.q_proj(x).view(T, self.n_heads, hd), cos, sin)
+        k = apply_rope(self.k_proj(x).view(T, n_kv, hd), cos, sin)
         cache_k.index_copy_(0, positions, k)
-        cache_v.index_copy_(0, positions, v)
-        # [heads, T, hd] against [kv_heads, max_len, hd]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), cache_k.transpose(0, 1), cache_v.transpose(0, 1),
-            attn_mask=mask, enable_gqa=True,
-        )
-        return self.par.reduce(self.o_proj(out.transpose(0, 1).reshape(T, self.n_heads * self.head_dim)))
+        cache_v.index_copy_(0, positions, self.v_proj(x).view(T, n_kv, hd))
+        # query head h reads KV head h // group: per KV head, its group's queries are rows (g, t)
+        q = q.view(T, n_kv, group, hd).permute(1, 2, 0, 3).reshape(n_kv, group * T, hd)
+        scores = torch.bmm(q, cache_k.permute(1, 2, 0)).float() * hd ** -0.5  # [n_kv, group*T, max_len]
+        probs = scores.masked_fill(blocked.repeat(group, 1), float("-inf")).softmax(-1).to(x.dtype)
+        out = torch.bmm(probs, cache_v.transpose(0, 1)).view(n_kv, group, T, hd).permute(2, 0, 1, 3)
+        return self.par.reduce(self.o_proj(out.reshape(T, self.n_heads * hd)))
 
 
 class MLP(nn.Module):
@@ -265,8 +268,8 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, par)
 
-    def forward(self, x, cos, sin, positions, cache_k, cache_v, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache_k, cache_v, mask)
+    def forward(self, x, cos, sin, positions, cache_k, cache_v, blocked):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache_k, cache_v, blocked)
         ff = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
         return x + ff(self.post_attention_layernorm(x))
 
@@ -305,8 +308,8 @@ class LlamaForCausalLM(nn.Module):
         self.cache_k = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
         self.cache_v = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
         self.max_len = max_len
-        self._cos, self._sin = rope_tables(cfg.head_dim, max_len, cfg.rope_theta, ref.device)
-        self._key_pos = torch.arange(max_len, device=ref.device)
+        self._cos, self._sin = rope_tables(cfg.head_dim, max_len, cfg.rope_theta, ref.dtype, ref.device)
+        self._key_pos = torch.arange(max_len).to(ref.device)
         return 2 * self.cache_k.numel() * self.cache_k.element_size()
 
     def drop_kv_cache(self) -> None:
@@ -323,11 +326,11 @@ class LlamaForCausalLM(nn.Module):
         """tokens, positions: int64 [T].  Returns float32 logits [T, vocab]."""
         cos = self._cos.index_select(0, positions)
         sin = self._sin.index_select(0, positions)
-        # query i may see key j when j <= position_i
-        mask = self._key_pos.unsqueeze(0) <= positions.unsqueeze(1)
+        # query i may not see key j when j > position_i
+        blocked = self._key_pos.unsqueeze(0) > positions.unsqueeze(1)
         x = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, positions, self.cache_k[i], self.cache_v[i], mask)
+            x = layer(x, cos, sin, positions, self.cache_k[i], self.cache_v[i], blocked)
         x = self.model.norm(x)
         return self.lm_head(x).float()
 

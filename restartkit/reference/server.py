@@ -28,6 +28,7 @@ from restartkit.signals import block_stop_signals, next_stop_signal
 
 PROCESS_T0 = time.time()
 MAX_BODY = 1 << 20
+_READY_FD: str | None = None  # restartkit's ready pipe (RESTARTKIT_READY_FD), until it is written
 
 
 def log(msg: str) -> None:
@@ -343,6 +344,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def serve(args: argparse.Namespace) -> int:
+    global _READY_FD
+    _READY_FD = os.environ.pop("RESTARTKIT_READY_FD", None)  # not for the workers this engine starts
     if args.worker_rank > 0:
         return serve_worker(args)
     if args.prepare_only:
@@ -635,6 +638,25 @@ def _load(args, state: State, outcome: dict, gate=None) -> None:
     state.ready_at = time.time()
     state.ready = True
     log(f"ready in {state.ready_at - state.started_at:.2f} s; phases {json.dumps(state.phases)}")
+    _signal_ready()
+
+
+def _signal_ready() -> None:
+    """Tell restartkit at once (one byte on the pipe it passed), then close the pipe: a
+    snapshot of this process must not hold a pipe whose other end is outside it."""
+    global _READY_FD
+    fd, _READY_FD = _READY_FD, None
+    if not fd:
+        return
+    try:
+        os.write(int(fd), b"R")
+    except (OSError, ValueError):  # restartkit stopped listening (or the fd is not ours): it probes anyway
+        pass
+    finally:
+        try:
+            os.close(int(fd))
+        except (OSError, ValueError):
+            pass
 
 
 def _since_exec() -> float:
