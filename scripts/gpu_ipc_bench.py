@@ -121,8 +121,25 @@ def engine_stats(port: int) -> dict:
         return json.loads(r.read())
 
 
+def with_engine_env(pol: Path, env: str):
+    """A context in which the policy gives the engine KEY=VALUE (an A/B switch), restored after."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def ctx():
+        text = pol.read_text()
+        key, _, value = env.partition("=")
+        pol.write_text(text.replace("[restart]\n", f'env = {{ {key} = "{value}" }}\n[restart]\n', 1))
+        try:
+            yield
+        finally:
+            pol.write_text(text)
+    return ctx()
+
+
 def run_tp(work: Path, model: Path, device: str, tp: int, port: int, results: dict, kill_test: bool,
-           ipc_repeat: int = 2, prestart: bool = False, ipc_only: bool = False, draft: Path | None = None) -> None:
+           ipc_repeat: int = 2, prestart: bool = False, ipc_only: bool = False, draft: Path | None = None,
+           ab_env: str | None = None) -> None:
     name = f"ref-tp{tp}" + ("-draft" if draft else "")
     pol = policy(work, name, model, device, tp, port, draft)
     out = results.setdefault(name, {"tp": tp, "runs": []})
@@ -142,9 +159,13 @@ def run_tp(work: Path, model: Path, device: str, tp: int, port: int, results: di
     out["weightcache"] = json.loads(cli("weightcache", "status", "--policy", pol, "--json", check=False).stdout)
     plan = json.loads(cli("plan", "--policy", pol, "--json").stdout)
     out["plan_attempt"] = plan["attempt"]
-    for _ in range(ipc_repeat):
+    for i in range(ipc_repeat * (2 if ab_env else 1)):
         out.setdefault("floors", []).append(process_floor(device))
-        out["runs"].append({**restart(pol, "ipc"), "page_cache": "n/a"})
+        if ab_env and i % 2:  # every other restart with the engine environment switched
+            with with_engine_env(pol, ab_env):
+                out["runs"].append({**restart(pol, "ipc"), "page_cache": "n/a", "ab": ab_env})
+        else:
+            out["runs"].append({**restart(pol, "ipc"), "page_cache": "n/a", "ab": "as shipped" if ab_env else None})
     out.setdefault("floors", []).append(process_floor(device))
     if out["page_cache_dropped"] and drop_page_cache():
         out["runs"].append({**restart(pol, "ipc"), "page_cache": "dropped"})
@@ -207,7 +228,7 @@ def median(xs):
     return xs[len(xs) // 2] if xs else None
 
 
-AFTER_FLOOR = ("tokenizer", "dist_init", "wait_previous", "weight_load", "kv_cache_alloc", "warmup",
+AFTER_FLOOR = ("early_context_wait", "tokenizer", "dist_init", "wait_previous", "weight_load", "kv_cache_alloc", "warmup",
                "cuda_graph_capture")
 
 
@@ -235,12 +256,16 @@ def verdict(results: dict) -> str:
                          f"the context alone: median {context_m:.3f} s")
             lines.append("  (import times vary by a second between processes on these machines, so each restart is also "
                          "set against its own floor: the engine's own spawn-to-`import torch` plus the context's median)")
-            runs = [run for run in ipc_runs if run["page_cache"] != "dropped"]
-            if runs:
+            groups = {}
+            for run in ipc_runs:
+                if run["page_cache"] != "dropped":
+                    groups.setdefault(run.get("ab"), []).append(run)
+            for ab, runs in groups.items():
+                tag = f" [{ab}]" if ab else ""
                 times = [run["time_to_ready_s"] for run in runs]
                 own = [run["time_to_ready_s"] - own_floor(run, context_m) for run in runs]
                 m, o = median(times), median(own)
-                lines.append(f"  {name} ipc: ready {', '.join(f'{t:.2f}' for t in times)} s, median {m:.2f} s "
+                lines.append(f"  {name} ipc{tag}: ready {', '.join(f'{t:.2f}' for t in times)} s, median {m:.2f} s "
                              f"= floor + {m - floor_m:.2f} s; against each run's own floor "
                              f"+{', +'.join(f'{x:.2f}' for x in own)} s, median +{o:.2f} s"
                              f" -> target (within 0.5 s of the floor) {'MET' if o <= 0.5 else 'MISSED'}")
@@ -252,6 +277,7 @@ def verdict(results: dict) -> str:
             known = floor + sum(parts.values())
             other = max(0.0, (ep.get("ready_since_spawn") or known) - known)
             over = run["time_to_ready_s"] - floor
+            tag += f" [{run['ab']}]" if run.get("ab") else ""
             lines.append(f"  {name} ipc{tag}: ready {run['time_to_ready_s']:.2f} s = own start {floor:.2f} + {over:.2f} s "
                          f"[{', '.join(f'{k} {v:.3f}' for k, v in parts.items())}, other in-process {other:.3f}, "
                          f"stop {(run.get('phases') or {}).get('stop', 0):.3f}, readiness probe and hand-back "
@@ -287,6 +313,8 @@ def main() -> int:
     p.add_argument("--no-kill-test", action="store_true")
     p.add_argument("--prestart", action="store_true", help="also run prestarted ipc restarts ([restart] overlap_mode)")
     p.add_argument("--ipc-only", action="store_true", help="no cold restarts (a short run)")
+    p.add_argument("--ab-env", default=None, metavar="KEY=VALUE",
+                   help="run twice the ipc restarts, every other one with this in the engine's environment")
     p.add_argument("--draft-preset", default=None,
                    help="also restart a TP1 service with this draft model (e.g. 1b: the 8b-shape's vocabulary)")
     args = p.parse_args()
@@ -321,7 +349,7 @@ def main() -> int:
     for i, tp in enumerate(int(x) for x in args.tp.split(",")):
         try:
             run_tp(work, model, args.device, tp, args.port + 10 * i, results, kill_test=(tp == 1 and not args.no_kill_test),
-                   ipc_repeat=args.ipc_repeat, prestart=args.prestart, ipc_only=args.ipc_only)
+                   ipc_repeat=args.ipc_repeat, prestart=args.prestart, ipc_only=args.ipc_only, ab_env=args.ab_env)
         except Exception as e:
             results[f"ref-tp{tp}-error"] = str(e)[-3000:]
             print(f"TP{tp} failed: {str(e)[-3000:]}", flush=True)

@@ -178,7 +178,7 @@ def test_a_new_engine_waits_for_the_one_it_replaces(monkeypatch):
     other = subprocess.Popen(["sleep", "30"])
     try:
         monkeypatch.setenv("RESTARTKIT_AFTER_PID", f"{other.pid}:{ctime - 100}")
-        assert wait_for_previous_engine() == 0.0
+        assert wait_for_previous_engine() < 0.1  # (the time the check itself took)
         # one that does not exit in time stops the start, saying why
         monkeypatch.setenv("RESTARTKIT_AFTER_PID", f"{other.pid}:{psutil.Process(other.pid).create_time()}")
         monkeypatch.setenv("RESTARTKIT_AFTER_TIMEOUT_S", "0.3")
