@@ -141,7 +141,9 @@ def _restart(service: Service, plan: Plan, facts: Facts, requested: str, reason:
     if outcome.ok:
         rec.final_state = "serving"
         rec.served_by = outcome.strategy
-        rec.time_to_ready_s = round(time.monotonic() - t0 - outcome.detail.get("verify_s", 0.0), 4)
+        # until the engine answered its readiness probe (not the proof read after it, nor the canary)
+        ready_at = outcome.ready_at or time.monotonic() - outcome.detail.get("verify_s", 0.0)
+        rec.time_to_ready_s = round(ready_at - t0, 4)
         rec.first_completion_s = outcome.detail.get("first_completion_s")
         rec.proof.update(outcome.proof.get("canary", {}))
     return rec

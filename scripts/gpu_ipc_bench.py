@@ -280,7 +280,8 @@ def verdict(results: dict) -> str:
             tag += f" [{run['ab']}]" if run.get("ab") else ""
             lines.append(f"  {name} ipc{tag}: ready {run['time_to_ready_s']:.2f} s = own start {floor:.2f} + {over:.2f} s "
                          f"[{', '.join(f'{k} {v:.3f}' for k, v in parts.items())}, other in-process {other:.3f}, "
-                         f"stop {(run.get('phases') or {}).get('stop', 0):.3f}, readiness probe and hand-back "
+                         f"stop {(run.get('phases') or {}).get('stop', 0):.3f}, first request in the engine "
+                         f"{ep.get('first_request', 0):.3f}, readiness probe and hand-back "
                          f"{max(0.0, over - sum(parts.values()) - other - (run.get('phases') or {}).get('stop', 0)):.3f}]"
                          f" (cuda_init {ep.get('cuda_init', 0):.3f})")
         for run in r.get("prestart", []):

@@ -258,6 +258,8 @@ CANDIDATES = {
     "previous attention (SDPA, GQA, mask)": "old_attn",
     "positions by a device arange": "pos_device",
     "previous model (all four)": "old_rope,old_rms,old_attn,pos_device",
+    "warm-up prompt of 1 token": "warm1",
+    "warm-up prompt of 7 tokens (the probe's)": "warm7",
 }
 
 
@@ -345,7 +347,8 @@ def candidate_child(preset: str, spec: str, with_ops: bool) -> dict:
         return r
     with torch.inference_mode():
         timed("kv_cache_alloc", lambda: model.allocate_kv_cache(4096))
-        prompt = torch.tensor([256, 1, 2, 3], device=dev)
+        n = 1 if "warm1" in cands else 7 if "warm7" in cands else 4  # the engine's warm-up prompt: 4 tokens
+        prompt = torch.tensor([256, 1, 2, 3, 4, 5, 6][:n], device=dev)
         if with_ops:
             first = {}
             from torch.utils._python_dispatch import TorchDispatchMode
@@ -359,34 +362,40 @@ def candidate_child(preset: str, spec: str, with_ops: bool) -> dict:
                     first.setdefault(str(func.overloadpacket.__name__), round(time.perf_counter() - s, 4))
                     return r
             with Timer():
-                timed("first_prefill", lambda: model(prompt, positions(4))[-1].float().cpu())
+                timed("first_prefill", lambda: model(prompt, positions(n))[-1].float().cpu())
             out["ops"] = dict(sorted(first.items(), key=lambda kv: -kv[1]))
         else:
-            timed("first_prefill", lambda: model(prompt, positions(4))[-1].float().cpu())
-        logits = timed("first_decode", lambda: model(torch.tensor([5], device=dev), positions(1, 4))[0].float().cpu())
-        if cuda:
+            timed("first_prefill", lambda: model(prompt, positions(n))[-1].float().cpu())
+        if cuda:  # as the engine: the capture runs the first decode steps eagerly
             timed("graph_capture", lambda: capture_decode(model, dev))
-        timed("second_prefill", lambda: model(prompt, positions(4))[-1].float().cpu())
+        else:
+            timed("first_decode", lambda: model(torch.tensor([5], device=dev), positions(1, n))[0].float().cpu())
+        # restartkit's readiness probe: "ready?" is 7 tokens with BOS
+        probe = torch.tensor([256, 114, 101, 97, 100, 121, 63], device=dev)
+        logits = timed("probe_prefill", lambda: model(probe, positions(7))[-1].float().cpu())
+        timed("second_prefill", lambda: model(probe, positions(7))[-1].float().cpu())
         out["argmax"] = int(torch.argmax(logits))
     return out
 
 
 def run_candidates(a, run) -> dict:
-    keys = ["kv_cache_alloc", "first_prefill", "first_decode", "graph_capture", "second_prefill"]
+    keys = ["kv_cache_alloc", "first_prefill", "graph_capture", "probe_prefill", "second_prefill"]
     results = {}
-    print(f"{'candidate':<40}" + "".join(f"{k:>16}" for k in keys) + f"{'kv+prefill':>12}{'argmax':>8}")
+    print(f"{'candidate':<44}" + "".join(f"{k:>16}" for k in keys) + f"{'to ready':>10}{'argmax':>8}")
     for name, spec in CANDIDATES.items():
+        if a.only and not any(o in name for o in a.only.split(",")):
+            continue
         results[name] = []
         for _ in range(a.repeat):
             try:
                 r = run({"mode": "cand"}, ("--cand", spec))
             except SystemExit:
-                print(f"{name:<40} failed")
+                print(f"{name:<44} failed")
                 break
             results[name].append(r)
-            print(f"{name:<40}" + "".join(f"{r.get(k, 0):>16.4f}" for k in keys)
-                  + f"{r['kv_cache_alloc'] + r['first_prefill']:>12.4f}{r['argmax']:>8}", flush=True)
-    for spec in ("", CANDIDATES["previous model (all four)"]):
+            print(f"{name:<44}" + "".join(f"{r.get(k, 0):>16.4f}" for k in keys)
+                  + f"{sum(r.get(k, 0) for k in keys[:4]):>10.4f}{r['argmax']:>8}", flush=True)
+    for spec in ("", CANDIDATES["previous model (all four)"]) if not a.only else ():
         r = run({"mode": "cand_ops"}, ("--cand", spec))
         results[f"ops [{spec}]"] = r
         print(f"first prefill op by op [{spec or 'as shipped'}]: {r['first_prefill']} s")
@@ -404,6 +413,7 @@ def main() -> int:
     ap.add_argument("--mode", default="")
     ap.add_argument("--sdpa", default="default", help="default, or an SDPBackend name for the op-by-op run (math, ...)")
     ap.add_argument("--cand", default="")
+    ap.add_argument("--only", default="", help="with --candidates: only those whose name contains one of these (comma-separated)")
     ap.add_argument("--candidates", action="store_true", help="only the candidate model changes (CANDIDATES)")
     a = ap.parse_args()
     if a.child:

@@ -67,9 +67,10 @@ class Outcome:
     detail: dict[str, Any] = field(default_factory=dict)
     fallback: str | None = None  # served, but not by the fast path (e.g. "fallback(dtype)")
     old_still_serving: bool = False  # failed before the old engine was stopped: nothing to recover
+    ready_at: float | None = None  # time.monotonic() when the new engine first answered (None: unknown)
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items()}
+        return {k: v for k, v in self.__dict__.items() if k != "ready_at"}
 
 
 class Strategy(Protocol):

@@ -122,7 +122,8 @@ class IPCStrategy(BaseStrategy):
             proof["draft"], draft = draft_proof(load)
             if proof["draft"] != "hit" and missed is None:
                 missed = {**draft, "fallback_field": f"draft: {draft.get('fallback_field') or proof['draft']}"}
-        out = Outcome(self.name, ok=True, phases=phases, engine_phases=started.engine_phases, proof=proof)
+        out = Outcome(self.name, ok=True, phases=phases, engine_phases=started.engine_phases, proof=proof,
+                      ready_at=started.ready_at)
         if missed is None:
             proof["ipc"] = "hit"
             return out
@@ -139,7 +140,7 @@ class IPCStrategy(BaseStrategy):
             text = f.read().decode(errors="replace")
         s = service.policy.service
         verdict = parse_ipc_log(text, s["tensor_parallel_size"] * s["data_parallel_size"])
-        out = Outcome(self.name, ok=True, phases=phases, engine_phases=started.engine_phases,
+        out = Outcome(self.name, ok=True, phases=phases, engine_phases=started.engine_phases, ready_at=started.ready_at,
                       proof={"ipc": verdict["ipc"], "ranks": verdict["ranks"], "source": "engine log"})
         if verdict["ipc"] == "unknown":
             out.ok, out.error = False, "vLLM's log says neither hit nor fallback: the ipc path cannot be proven"
