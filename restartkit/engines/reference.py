@@ -9,9 +9,9 @@ from restartkit.reference.layout import draft_problem, model_dir_ok
 
 
 class ReferenceAdapter(EngineAdapter):
-    signals_ready = True
     name = "reference"
     waits_for_previous = True  # RESTARTKIT_AFTER_PID: allocates device memory only once its predecessor exited
+    signals_ready = True  # RESTARTKIT_READY_FD: one byte when ready, then the pipe is closed
 
     def launch(self, policy, extra_args=()) -> LaunchSpec:
         s = policy.service
