@@ -111,7 +111,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "max_age_h": Key((int, float), 24.0, check=_positive),
         "refresh": Key(str, "daily", doc="systemd OnCalendar= expression for the refresh timer"),
         "criu_path": Key(str, ""),
-        "test_restore": Key(bool, False),
+        "test_restore": Key(bool, False, doc="refresh makes a new snapshot current only after a test restore beside the engine passed (restartkit snapshot test; CPU snapshots)"),
         "pid_wait_s": Key((int, float), 10.0, check=_positive),
         "restore_timeout_s": Key((int, float), 600.0, check=_positive),
     },

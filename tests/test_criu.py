@@ -184,3 +184,59 @@ def take_pid(pid: int) -> subprocess.Popen:
         p.kill()
         p.wait()
     pytest.skip(f"could not start a process under PID {pid}")
+
+
+def engines_on(policy) -> list[int]:
+    """PIDs of reference engines serving this policy's port (in any PID namespace: as this one sees them)."""
+    port = policy.read_text().split("port = ")[1].split()[0]
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            cmd = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"restartkit.reference.server" in cmd and port.encode() in cmd:
+            out.append(int(d))
+    return out
+
+
+def test_a_test_restore_runs_beside_the_serving_engine(served):
+    """The copy is restored for real (its own PID, network and mount namespaces: the serving engine holds
+    its PIDs and its port), answers the canary taken at dump time, and is gone afterwards."""
+    policy = served()
+    snap = create(policy)
+    before = engines_on(policy)
+    r = run_cli("snapshot", "test", "--policy", policy, "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out["ok"] and out["canary_identical"], out
+    assert {"criu_restore", "kv_cache_restore", "ready", "canary"} <= set(out["phases"])
+    assert engines_on(policy) == before  # the copy died with its namespace; the engine is the same process
+    status = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
+    assert status["serving"] and status["pid"] == snap["pid"]
+    listing = json.loads(run_cli("snapshot", "list", "--policy", policy, "--json").stdout)["snapshots"]
+    assert listing[-1]["tested"] is True and not listing[-1]["suspect"]
+    images = snapshots_dir(policy) / snap["id"]
+    assert (images / "test-restore.log").exists() and (images / "test-restore-engine.log").exists()
+
+
+def test_refresh_with_test_restore_switches_only_after_a_pass(served, tmp_path):
+    policy = served('pid_wait_s = 5.0\ntest_restore = true\n')
+    first = create(policy)
+    r = run_cli("snapshot", "refresh", "--policy", policy, "--force")
+    assert r.returncode == 0 and "test-restored" in r.stdout, r.stdout + r.stderr
+    listing = json.loads(run_cli("snapshot", "list", "--policy", policy, "--json").stdout)["snapshots"]
+    second = next(s for s in listing if s["current"])
+    assert second["id"] != first["id"] and second["tested"] is True
+    # a CRIU that dumps but cannot restore (injected): the new snapshot fails its test and never becomes current
+    wrapper = tmp_path / "criu"
+    wrapper.write_text(f'#!/bin/sh\nif [ "$1" = restore ]; then echo "injected: no restore" >&2; exit 1; fi\n'
+                       f'exec {CRIU.path} "$@"\n')
+    wrapper.chmod(0o755)
+    policy.write_text(policy.read_text().replace("[criu]\n", f'[criu]\ncriu_path = "{wrapper}"\n'))
+    r = run_cli("snapshot", "refresh", "--policy", policy, "--force")
+    assert r.returncode == 1 and "not made current" in r.stdout and "previous snapshot stays current" in r.stdout, r.stdout
+    listing = json.loads(run_cli("snapshot", "list", "--policy", policy, "--json").stdout)["snapshots"]
+    assert next(s for s in listing if s["current"])["id"] == second["id"]
+    assert listing[-1]["id"] != second["id"] and listing[-1]["suspect"] and listing[-1]["tested"] is False
+    assert json.loads(run_cli("status", "--policy", policy, "--json").stdout)["serving"]

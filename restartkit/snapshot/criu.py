@@ -68,24 +68,28 @@ class Criu:
             args += ["--action-script", str(_shm_script(images, shm_files))]
         self._cli(args, images, log)
 
-    def restore(self, images: Path, timeout_s: float, pids: list[int]) -> int:
+    def restore(self, images: Path, timeout_s: float, pids: list[int], log_name: str = "restore.log",
+                pidfile_name: str = "restored.pid", extra: list[str] = (), pass_fds: tuple[int, ...] = ()) -> int:
         """Always through the CLI, under a deadline: a damaged image can make
         CRIU's restorer spin forever (seen with 4.2.1 on truncated pages).
-        On timeout, CRIU and whatever it half-restored under `pids` are killed."""
-        log = images / "restore.log"
-        pidfile = images / "restored.pid"
+        On timeout, CRIU and whatever it half-restored under `pids` are killed.
+        `extra` and `pass_fds`: more flags, and the descriptors they name (--inherit-fd)."""
+        log = images / log_name
+        pidfile = images / pidfile_name
         pidfile.unlink(missing_ok=True)
-        self._cli(["restore", "--restore-detached", "--pidfile", str(pidfile)], images, log, timeout_s, pids)
+        self._cli(["restore", "--restore-detached", "--pidfile", str(pidfile), *extra], images, log, timeout_s, pids,
+                  pass_fds)
         return int(pidfile.read_text().strip())
 
     def _common(self) -> list[str]:
         flags = ["--tcp-established", "--ext-unix-sk", "--file-locks", "--link-remap", "--ghost-limit", GHOST_LIMIT, "-v4"]
         return flags + (["--shell-job"] if self.shell_job else [])
 
-    def _cli(self, args: list[str], images: Path, log: Path, timeout_s: float = 3600, pids: list[int] = ()) -> None:
+    def _cli(self, args: list[str], images: Path, log: Path, timeout_s: float = 3600, pids: list[int] = (),
+             pass_fds: tuple[int, ...] = ()) -> None:
         cmd = [self.binary, *args, "-D", str(images), "-o", log.name, *self._common()]
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, pass_fds=pass_fds)
         except OSError as e:
             raise CriuError(f"could not run {self.binary}: {e}") from None
         except subprocess.TimeoutExpired:

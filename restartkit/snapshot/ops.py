@@ -97,7 +97,8 @@ class _Interrupted(Exception):
     pass
 
 
-def create(service, facts, leave_running: bool = True, progress: Callable[[str], None] = lambda _m: None) -> Snapshot:
+def create(service, facts, leave_running: bool = True, progress: Callable[[str], None] = lambda _m: None,
+           make_current: bool = True) -> Snapshot:
     proc = service.current()
     if proc is None or not service.is_ready():
         raise StrategyError(f"{service.policy.name} is not serving", hint=f"start it first: restartkit start --policy {service.policy.path}")
@@ -160,7 +161,7 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
         "criu_via": crit.last_via, "phases": phases, "kv_cache_freed_bytes": shrunk.get("kv_cache_freed_bytes", 0), "image_bytes": dir_bytes(images),
         "left_running": leave_running, "files": image_sizes(images),
     }
-    snap = store.commit(images, manifest)
+    snap = store.commit(images, manifest, make_current)
     store.prune(service.policy.criu["keep"])
     progress(f"snapshot {snap.id}: {manifest['image_bytes'] / 1e6:.1f} MB in {phases['criu_dump']:.2f} s")
     return snap

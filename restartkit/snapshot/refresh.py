@@ -41,13 +41,38 @@ def refresh(service, facts, force: bool = False, say=print) -> int:
         else:
             why = "forced" if force else ("no snapshot" if not cur else ("suspect" if cur.suspect else "too old"))
         t0 = time.monotonic()
-        snap = create(service, facts, leave_running=True)
-        verify(snap)
+        trial = None
         if service.policy.criu["test_restore"]:
-            say(f"{service.policy.name}: note: test restores on a spare port are not built yet; inspected only")
+            from restartkit.snapshot.trial import why_not
+            cannot = why_not(None, facts.host.criu.path, service.policy.service["host"])
+            trial = None if cannot else True
+            if cannot:
+                say(f"{service.policy.name}: note: no test restore ({cannot}); inspected only")
+        # a snapshot that is to be test-restored becomes current only once it has passed
+        snap = create(service, facts, leave_running=True, make_current=trial is None)
+        verify(snap)
+        tested = ""
+        if trial and (cannot := why_not(snap.manifest, facts.host.criu.path, service.policy.service["host"])):
+            say(f"{service.policy.name}: note: no test restore ({cannot}); inspected only")
+            store.make_current(snap)
+        elif trial:
+            from restartkit.snapshot.trial import test_restore
+            try:
+                result = test_restore(service, facts, snap)
+            except Exception as e:  # could not even start it (e.g. a GPU snapshot): not worth a suspect mark
+                result = {"ok": False, "error": getattr(e, "message", None) or str(e), "not_run": True}
+            if not result["ok"]:
+                reason = f"test restore failed: {result.get('error')}"
+                if not result.get("not_run"):
+                    store.mark_suspect(snap, reason)
+                say(f"{service.policy.name}: new snapshot {snap.id} not made current: {reason}; "
+                    f"the previous snapshot stays current")
+                return EXIT_FAILED
+            store.make_current(snap)
+            tested = f", test-restored in {result['wall_s']:.1f} s with an identical canary"
         removed = store.prune(service.policy.criu["keep"])
         say(f"{service.policy.name}: new snapshot {snap.id} ({why}; {snap.manifest['image_bytes'] / 1e6:.0f} MB "
-            f"in {time.monotonic() - t0:.1f} s); pruned {len(removed)}")
+            f"in {time.monotonic() - t0:.1f} s{tested}); pruned {len(removed)}")
         return EXIT_OK
     except Exception as e:
         say(f"{service.policy.name}: refresh failed: {e}; the previous snapshot stays current")

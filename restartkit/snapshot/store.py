@@ -76,14 +76,19 @@ class SnapshotStore:
             return None
         return self.get(os.readlink(link))
 
-    def commit(self, path: Path, manifest: dict) -> Snapshot:
-        """Write the manifest, then point `current` at it (both atomic)."""
+    def commit(self, path: Path, manifest: dict, make_current: bool = True) -> Snapshot:
+        """Write the manifest, then (unless told not to) point `current` at it (both atomic)."""
         write_json(path / MANIFEST, manifest)
+        snap = Snapshot(path, manifest)
+        if make_current:
+            self.make_current(snap)
+        return snap
+
+    def make_current(self, snap: Snapshot) -> None:
         tmp = self.root / f".current.{os.getpid()}"
         tmp.unlink(missing_ok=True)
-        os.symlink(path.name, tmp)
+        os.symlink(snap.path.name, tmp)
         os.replace(tmp, self.root / "current")
-        return Snapshot(path, manifest)
 
     def mark_suspect(self, snap: Snapshot, reason: str) -> None:
         snap.manifest["suspect"] = {"reason": reason, "at": time.time()}
