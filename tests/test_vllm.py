@@ -84,6 +84,9 @@ def test_vllm_cold_and_criu_restarts(vllm_policy):
         assert r.returncode == 0, r.stderr
         snap = json.loads(r.stdout)
         assert len(snap["tree_pids"]) >= 2  # API server and engine core (and helpers)
+        # a copy restored beside the serving server (its own namespaces) answers the same canary
+        r = run_cli("snapshot", "test", "--policy", vllm_policy, "--json", timeout=600)
+        assert r.returncode == 0 and json.loads(r.stdout)["canary_identical"], r.stdout + r.stderr
         code, rec = restart(vllm_policy, "--strategy", "criu", "--strict")
         assert code == 0, rec
         assert rec["served_by"] == "criu" and rec["proof"]["canary_identical"] is True
