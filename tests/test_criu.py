@@ -218,6 +218,11 @@ def test_a_test_restore_runs_beside_the_serving_engine(served):
     assert listing[-1]["tested"] is True and not listing[-1]["suspect"]
     images = snapshots_dir(policy) / snap["id"]
     assert (images / "test-restore.log").exists() and (images / "test-restore-engine.log").exists()
+    # no unshare here: the test cannot run, which says nothing about the snapshot (not marked)
+    r = run_cli("snapshot", "test", "--policy", policy, env={"PATH": str(images)})
+    assert r.returncode != 0 and "unshare" in r.stderr, r.stderr
+    listing = json.loads(run_cli("snapshot", "list", "--policy", policy, "--json").stdout)["snapshots"]
+    assert not listing[-1]["suspect"] and listing[-1]["tested"] is True
 
 
 def test_refresh_with_test_restore_switches_only_after_a_pass(served, tmp_path):

@@ -62,16 +62,21 @@ def test_restore(service, facts, snap, say=lambda _m: None) -> dict:
     deadline = pol.criu["restore_timeout_s"] + pol.restart["start_timeout_s"] + 60
     argv = ["unshare", "--pid", "--net", "--mount", "--fork", "--kill-child", "--mount-proc",
             sys.executable, "-m", "restartkit.snapshot.trial", "--policy", str(pol.path), "--images", str(snap.path),
-            "--criu", binary, "--engine-log", str(service.log_path), "--timeout", str(deadline)]
+            "--criu", binary, "--engine-log", str(service.log_path), "--timeout", str(pol.criu["restore_timeout_s"])]
     say(f"restoring a copy of {snap.id} in its own namespaces (the engine keeps serving)")
     t0 = time.monotonic()
     try:
         r = subprocess.run(argv, capture_output=True, text=True, timeout=deadline + 30)
-        lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
-        result = json.loads(lines[-1]) if lines else {
-            "ok": False, "error": f"the test restore exited with code {r.returncode}: {r.stderr.strip()[-500:]}"}
     except subprocess.TimeoutExpired:  # --kill-child: the namespace, and the copy in it, died with unshare
-        result = {"ok": False, "error": f"the test restore did not finish within {deadline + 30:.0f} s"}
+        r = None
+    lines = [x for x in r.stdout.splitlines() if x.startswith("{")] if r is not None else []
+    if r is not None and not lines:  # not the snapshot's fault: nothing is marked
+        raise StrategyError(f"the test restore could not run (exit {r.returncode}): {r.stderr.strip()[-500:]}",
+                            hint="it needs root, unshare (util-linux) and a kernel that allows new namespaces")
+    result = json.loads(lines[-1]) if lines else {
+        "ok": False, "error": f"the test restore did not finish within {deadline + 30:.0f} s"}
+    if result.get("setup"):
+        raise StrategyError(f"the test restore could not set up its namespaces: {result.get('error')}")
     result["wall_s"] = round(time.monotonic() - t0, 3)
     want = snap.manifest["canary"]["tokens"]
     if result.get("ok"):
@@ -112,12 +117,15 @@ def _inside(args) -> dict:
     from restartkit.snapshot.criu import Criu, put_back_shm
     images = Path(args.images)
     phases: dict[str, float] = {}
-    service = load(args.policy)
-    adapter, pol = service.adapter, service.policy
-    _loopback_up()
-    _private_shm()
-    put_back_shm(images)
-    log_fd = os.open(images / ENGINE_LOG, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:  # failing here says nothing about the snapshot
+        service = load(args.policy)
+        adapter, pol = service.adapter, service.policy
+        _loopback_up()
+        _private_shm()
+        put_back_shm(images)
+        log_fd = os.open(images / ENGINE_LOG, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except Exception as e:
+        return {"ok": False, "setup": True, "error": getattr(e, "message", None) or f"{type(e).__name__}: {e}"}
     # the copy's stdout and stderr: our file in place of the engine log it had at dump time
     inherit = ["--inherit-fd", f"fd[{log_fd}]:{args.engine_log.lstrip('/')}"]
     t = time.monotonic()
