@@ -41,25 +41,24 @@ def refresh(service, facts, force: bool = False, say=print) -> int:
         else:
             why = "forced" if force else ("no snapshot" if not cur else ("suspect" if cur.suspect else "too old"))
         t0 = time.monotonic()
-        trial = None
-        if service.policy.criu["test_restore"]:
-            from restartkit.snapshot.trial import why_not
-            cannot = why_not(None, facts.host.criu.path, service.policy.service["host"])
-            trial = None if cannot else True
-            if cannot:
-                say(f"{service.policy.name}: note: no test restore ({cannot}); inspected only")
+        from restartkit.snapshot.trial import test_restore, why_not
+
+        def cannot_test(manifest) -> bool:
+            problem = why_not(manifest, facts.host.criu.path, service.policy.service["host"])
+            if problem:
+                say(f"{service.policy.name}: note: no test restore ({problem}); inspected only")
+            return bool(problem)
+        test = service.policy.criu["test_restore"] and not cannot_test(None)
         # a snapshot that is to be test-restored becomes current only once it has passed
-        snap = create(service, facts, leave_running=True, make_current=trial is None)
+        snap = create(service, facts, leave_running=True, make_current=not test)
         verify(snap)
         tested = ""
-        if trial and (cannot := why_not(snap.manifest, facts.host.criu.path, service.policy.service["host"])):
-            say(f"{service.policy.name}: note: no test restore ({cannot}); inspected only")
+        if test and cannot_test(snap.manifest):  # e.g. a GPU snapshot
             store.make_current(snap)
-        elif trial:
-            from restartkit.snapshot.trial import test_restore
+        elif test:
             try:
                 result = test_restore(service, facts, snap)
-            except Exception as e:  # could not even start it (e.g. a GPU snapshot): not worth a suspect mark
+            except Exception as e:  # it could not run at all: that says nothing about the snapshot
                 result = {"ok": False, "error": getattr(e, "message", None) or str(e), "not_run": True}
             if not result["ok"]:
                 reason = f"test restore failed: {result.get('error')}"
