@@ -10,8 +10,9 @@ the engine log).  This module's main() runs as PID 1 of those namespaces:
 loopback up, restore, KV cache back, readiness, the canary, one JSON line on
 stdout, exit, and the kernel kills what is left in the namespace.
 
-CPU snapshots only (the reference engine and vLLM's CPU build are tested): a GPU copy would need a second engine's device memory and
-the CUDA checkpoint API on PIDs of another PID namespace (not built).
+CPU snapshots only (tested with the reference engine and vLLM's CPU build): a
+GPU copy would need a second engine's device memory and the CUDA checkpoint API
+on PIDs of another PID namespace (not built).
 """
 from __future__ import annotations
 
