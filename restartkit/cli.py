@@ -428,6 +428,17 @@ def snapshot_list(policy_path, as_json):
     emit({"snapshots": rows, "dir": str(store.root)}, as_json, text)
 
 
+def _pick_snapshot(svc, snapshot_id: str | None):
+    """(store, the snapshot named, or the current one); a usage error naming the store when there is none."""
+    from restartkit.errors import UsageError
+    from restartkit.snapshot.ops import store_for
+    store = store_for(svc)
+    snap = store.get(snapshot_id) if snapshot_id else store.current()
+    if snap is None:
+        raise UsageError(f"no snapshot {snapshot_id or '(current)'} in {store.root}", hint="restartkit snapshot list")
+    return store, snap
+
+
 @snapshot.command("inspect")
 @policy_option
 @click.argument("snapshot_id", required=False)
@@ -436,13 +447,9 @@ def snapshot_list(policy_path, as_json):
 @friendly
 def snapshot_inspect(policy_path, snapshot_id, as_json):
     """A snapshot's manifest, and how its identity compares with this host."""
-    from restartkit.errors import UsageError
-    from restartkit.snapshot.ops import identity, mismatches, store_for
+    from restartkit.snapshot.ops import identity, mismatches
     svc, facts = _snapshot_context(policy_path)
-    store = store_for(svc)
-    snap = store.get(snapshot_id) if snapshot_id else store.current()
-    if snap is None:
-        raise UsageError(f"no snapshot {snapshot_id or '(current)'} in {store.root}", hint="restartkit snapshot list")
+    snap = _pick_snapshot(svc, snapshot_id)[1]
     miss = mismatches(snap.manifest["identity"], identity(svc, facts))
     data = {"id": snap.id, "path": str(snap.path), "mismatches": miss, **snap.manifest}
     emit(data, as_json, f"{snap.id}: {snap.manifest['image_bytes'] / 1e6:.1f} MB, {snap.age_s / 3600:.1f} h old, "
@@ -459,14 +466,9 @@ def snapshot_inspect(policy_path, snapshot_id, as_json):
 def snapshot_test(policy_path, snapshot_id, as_json):
     """Restore a copy of a snapshot (default: current) beside the serving engine, in namespaces of its
     own, and check its canary; the engine is not touched. A snapshot that fails is marked suspect."""
-    from restartkit.errors import UsageError
-    from restartkit.snapshot.ops import store_for
     from restartkit.snapshot.trial import test_restore
     svc, facts = _snapshot_context(policy_path)
-    store = store_for(svc)
-    snap = store.get(snapshot_id) if snapshot_id else store.current()
-    if snap is None:
-        raise UsageError(f"no snapshot {snapshot_id or '(current)'} in {store.root}", hint="restartkit snapshot list")
+    store, snap = _pick_snapshot(svc, snapshot_id)
     result = test_restore(svc, facts, snap, say=lambda m: None if as_json else click.echo(m))
     if not result["ok"]:
         store.mark_suspect(snap, f"test restore failed: {result.get('error')}")
