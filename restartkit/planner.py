@@ -66,6 +66,10 @@ def make_plan(facts: Facts, policy, requested: str, strategies: dict) -> Plan:
             notes.append(f"{requested} was asked for but is not eligible; the restart goes straight to its recovery path (cold)")
     if attempt is None:
         notes.append("nothing can run: even a cold start is not possible (" + "; ".join(verdicts[RECOVERY].reasons) + ")")
+    snap = facts.service.extra.get("criu") or {}
+    if attempt == "criu" and snap.get("current") and snap.get("tested") is None:
+        notes.append(f"snapshot {snap['current']} has never been test-restored "
+                     f"(`restartkit snapshot test --policy {policy.path}` restores a copy beside the engine)")
     return Plan(requested=requested, reason=facts.reason, order=order, verdicts=verdicts, attempt=attempt, notes=notes)
 
 

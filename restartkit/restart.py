@@ -40,6 +40,7 @@ def snapshot_facts(service: Service, facts: Facts) -> dict:
         snap = store_for(service).current()
         if snap is not None:
             out.update(current=snap.id, suspect=snap.suspect, age_s=round(snap.age_s),
+                       tested=(snap.manifest.get("tested") or {}).get("ok"),
                        image_bytes=snap.manifest.get("image_bytes"),
                        mismatches=mismatches(snap.manifest["identity"], identity(service, facts)))
         return out

@@ -37,6 +37,18 @@ def test_auto_runs_the_first_eligible_in_the_default_order():
     assert plan.verdicts["sleep"].reasons == ["sleep says no", "sleep says no twice"]
 
 
+def test_a_criu_plan_says_when_its_snapshot_was_never_test_restored():
+    strategies = {n: Always(n) for n in ("sleep", "ipc", "criu", "cold")}
+    f = facts()
+    f.service.extra["criu"] = {"current": "20261130-1", "tested": None}
+    plan = make_plan(f, policy(), "criu", strategies)
+    assert any("20261130-1 has never been test-restored" in n for n in plan.notes), plan.notes
+    f.service.extra["criu"]["tested"] = True
+    assert not any("test-restored" in n for n in make_plan(f, policy(), "criu", strategies).notes)
+    f.service.extra["criu"]["tested"] = None  # not a criu restart: nothing to say
+    assert not any("test-restored" in n for n in make_plan(f, policy(), "ipc", strategies).notes)
+
+
 def test_auto_respects_the_policy_order():
     strategies = {n: Always(n) for n in ("sleep", "ipc", "criu", "cold")}
     p = parse_policy({"service": {"name": "s", "model": "/m"}, "restart": {"strategies": ["criu", "ipc"]}})
