@@ -390,9 +390,11 @@ def _require_snapshot_prereqs(svc, facts):
 def snapshot_create(policy_path, stop_engine, as_json):
     """Snapshot the running engine (KV cache dropped first, put back after)."""
     from restartkit.snapshot.ops import create
+    from restartkit.snapshot.refresh import snapshot_metrics
     svc, facts = _snapshot_context(policy_path)
     _require_snapshot_prereqs(svc, facts)
     snap = create(svc, facts, leave_running=not stop_engine, progress=say)
+    snapshot_metrics(svc)
     emit({"id": snap.id, "path": str(snap.path), **snap.manifest}, as_json,
          f"snapshot {snap.id} ({snap.manifest['image_bytes'] / 1e6:.1f} MB) is current; engine "
          + ("stopped" if stop_engine else "still serving"))
@@ -469,9 +471,11 @@ def snapshot_test(policy_path, snapshot_id, as_json):
     from restartkit.snapshot.trial import test_restore
     svc, facts = _snapshot_context(policy_path)
     store, snap = _pick_snapshot(svc, snapshot_id)
+    from restartkit.snapshot.refresh import snapshot_metrics
     result = test_restore(svc, facts, snap, say=lambda m: None if as_json else click.echo(m))
     if not result["ok"]:
         store.mark_suspect(snap, f"test restore failed: {result.get('error')}")
+    snapshot_metrics(svc)
     phases = result.get("phases") or {}
     emit({"id": snap.id, **result}, as_json,
          f"{snap.id}: restored beside the engine in {result['wall_s']:.2f} s (restore {phases.get('criu_restore', 0):.2f} s), "

@@ -124,3 +124,47 @@ def update_metrics(state_dir: Path, record: Record) -> Path:
     tmp.write_text("\n".join(lines) + "\n")
     os.replace(tmp, prom)
     return prom
+
+
+def write_snapshot_metrics(state_dir: Path, service: str, store, refresh: str | None = None) -> Path:
+    """snapshot.prom beside metrics.prom: the current snapshot's age and test, suspect snapshots, and the
+    last refresh's outcome (`refresh`: ok, failed, or None to keep the last one), for alerts on a fleet
+    whose snapshots are refreshed by cron or a timer."""
+    last_path = store.root / ".last-refresh.json"
+    if refresh is not None:
+        store.ensure()
+        tmp = last_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"outcome": refresh, "at": time.time()}))
+        os.replace(tmp, last_path)
+    try:
+        last = json.loads(last_path.read_text())
+    except (OSError, ValueError):
+        last = None
+    cur = store.current()
+    snaps = store.list()
+    tested = (cur.manifest.get("tested") or {}) if cur else {}
+    lab = f'service="{service}"'
+    lines = [
+        "# HELP restartkit_snapshot_current_created_timestamp_seconds When the current snapshot was taken.",
+        "# TYPE restartkit_snapshot_current_created_timestamp_seconds gauge",
+        f"restartkit_snapshot_current_created_timestamp_seconds{{{lab}}} {cur.manifest.get('created_at', 0) if cur else 0}",
+        "# HELP restartkit_snapshot_current_test_passed 1 when the current snapshot passed a test restore, else 0.",
+        "# TYPE restartkit_snapshot_current_test_passed gauge",
+        f"restartkit_snapshot_current_test_passed{{{lab}}} {1 if tested.get('ok') else 0}",
+        "# HELP restartkit_snapshot_suspect Snapshots on disk marked suspect (a failed restore or test).",
+        "# TYPE restartkit_snapshot_suspect gauge",
+        f"restartkit_snapshot_suspect{{{lab}}} {sum(1 for s in snaps if s.suspect)}",
+    ]
+    if last:
+        lines += ["# HELP restartkit_snapshot_refresh_ok 1 when the last snapshot refresh succeeded, else 0.",
+                  "# TYPE restartkit_snapshot_refresh_ok gauge",
+                  f"restartkit_snapshot_refresh_ok{{{lab}}} {1 if last['outcome'] == 'ok' else 0}",
+                  "# HELP restartkit_snapshot_refresh_timestamp_seconds When the last snapshot refresh ended.",
+                  "# TYPE restartkit_snapshot_refresh_timestamp_seconds gauge",
+                  f"restartkit_snapshot_refresh_timestamp_seconds{{{lab}}} {last['at']}"]
+    state_dir.mkdir(parents=True, exist_ok=True)
+    prom = state_dir / "snapshot.prom"
+    tmp = prom.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, prom)
+    return prom

@@ -27,7 +27,9 @@ class CriuStrategy(BaseStrategy):
         try:
             proc, restore_phases = restore(service, facts, snap)
         except Exception as e:
+            from restartkit.snapshot.refresh import snapshot_metrics
             store.mark_suspect(snap, str(e)[:300])
+            snapshot_metrics(service)
             tail = getattr(e, "log_tail", "")
             return Outcome(self.name, ok=False, phases=phases, error=f"restore of snapshot {snap.id} failed: {e}",
                            detail={"criu_log_tail": tail, "snapshot": snap.id, "snapshot_kept": True})

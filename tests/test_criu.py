@@ -186,6 +186,11 @@ def take_pid(pid: int) -> subprocess.Popen:
     pytest.skip(f"could not start a process under PID {pid}")
 
 
+def prom_value(path, name) -> float:
+    line = next(x for x in path.read_text().splitlines() if x.startswith(name + "{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
 def engines_on(policy) -> list[int]:
     """PIDs of reference engines serving this policy's port (in any PID namespace: as this one sees them)."""
     port = policy.read_text().split("port = ")[1].split()[0]
@@ -233,6 +238,10 @@ def test_refresh_with_test_restore_switches_only_after_a_pass(served, tmp_path):
     listing = json.loads(run_cli("snapshot", "list", "--policy", policy, "--json").stdout)["snapshots"]
     second = next(s for s in listing if s["current"])
     assert second["id"] != first["id"] and second["tested"] is True
+    prom = policy.parent / "state" / "svc" / "snapshot.prom"
+    assert prom_value(prom, "restartkit_snapshot_refresh_ok") == 1
+    assert prom_value(prom, "restartkit_snapshot_current_test_passed") == 1
+    assert prom_value(prom, "restartkit_snapshot_suspect") == 0
     # a CRIU that dumps but cannot restore (injected): the new snapshot fails its test and never becomes current
     wrapper = tmp_path / "criu"
     wrapper.write_text(f'#!/bin/sh\nif [ "$1" = restore ]; then echo "injected: no restore" >&2; exit 1; fi\n'
@@ -244,4 +253,8 @@ def test_refresh_with_test_restore_switches_only_after_a_pass(served, tmp_path):
     listing = json.loads(run_cli("snapshot", "list", "--policy", policy, "--json").stdout)["snapshots"]
     assert next(s for s in listing if s["current"])["id"] == second["id"]
     assert listing[-1]["id"] != second["id"] and listing[-1]["suspect"] and listing[-1]["tested"] is False
+    # for the fleet's alerts: the refresh failed, one snapshot is suspect, the current one still passed its test
+    assert prom_value(prom, "restartkit_snapshot_refresh_ok") == 0
+    assert prom_value(prom, "restartkit_snapshot_suspect") == 1
+    assert prom_value(prom, "restartkit_snapshot_current_test_passed") == 1
     assert json.loads(run_cli("status", "--policy", policy, "--json").stdout)["serving"]
