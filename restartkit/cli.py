@@ -389,8 +389,7 @@ def _require_snapshot_prereqs(svc, facts):
 @friendly
 def snapshot_create(policy_path, stop_engine, as_json):
     """Snapshot the running engine (KV cache dropped first, put back after)."""
-    from restartkit.snapshot.ops import create
-    from restartkit.snapshot.refresh import snapshot_metrics
+    from restartkit.snapshot.ops import create, snapshot_metrics
     svc, facts = _snapshot_context(policy_path)
     _require_snapshot_prereqs(svc, facts)
     snap = create(svc, facts, leave_running=not stop_engine, progress=say)
@@ -471,7 +470,7 @@ def snapshot_test(policy_path, snapshot_id, as_json):
     from restartkit.snapshot.trial import test_restore
     svc, facts = _snapshot_context(policy_path)
     store, snap = _pick_snapshot(svc, snapshot_id)
-    from restartkit.snapshot.refresh import snapshot_metrics
+    from restartkit.snapshot.ops import snapshot_metrics
     result = test_restore(svc, facts, snap, say=lambda m: None if as_json else click.echo(m))
     if not result["ok"]:
         store.mark_suspect(snap, f"test restore failed: {result.get('error')}")

@@ -13,6 +13,7 @@ dry run of the script itself.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -121,20 +122,16 @@ def engine_stats(port: int) -> dict:
         return json.loads(r.read())
 
 
+@contextlib.contextmanager
 def with_engine_env(pol: Path, env: str):
-    """A context in which the policy gives the engine KEY=VALUE (an A/B switch), restored after."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def ctx():
-        text = pol.read_text()
-        key, _, value = env.partition("=")
-        pol.write_text(text.replace("[restart]\n", f'env = {{ {key} = "{value}" }}\n[restart]\n', 1))
-        try:
-            yield
-        finally:
-            pol.write_text(text)
-    return ctx()
+    """The policy gives the engine KEY=VALUE (an A/B switch) inside the block, and not after."""
+    text = pol.read_text()
+    key, _, value = env.partition("=")
+    pol.write_text(text.replace("[restart]\n", f'env = {{ {key} = "{value}" }}\n[restart]\n', 1))
+    try:
+        yield
+    finally:
+        pol.write_text(text)
 
 
 def run_tp(work: Path, model: Path, device: str, tp: int, port: int, results: dict, kill_test: bool,

@@ -35,20 +35,9 @@ FLOOR_VARIANTS = {
 
 
 def context_early(ordinal: int = 0):
-    """A thread that makes device `ordinal`'s primary CUDA context through the driver API
-    (ctypes lets go of the GIL, so it runs while Python imports torch)."""
-    import ctypes
-    import threading
-    lib = ctypes.CDLL("libcuda.so.1")
-
-    def make():
-        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-        lib.cuInit(0)
-        lib.cuDeviceGet(ctypes.byref(dev), ordinal)
-        lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
-    t = threading.Thread(target=make, daemon=True)
-    t.start()
-    return t
+    """The engine's own early context (restartkit.reference.server; it imports no torch)."""
+    from restartkit.reference.server import start_cuda_context
+    return start_cuda_context(ordinal)
 
 
 def floor_child(ctx_thread: bool) -> dict:

@@ -17,7 +17,7 @@ class CriuStrategy(BaseStrategy):
     prerequisites = [adapter_available, model_loadable, *PREREQUISITES]
 
     def execute(self, service, facts: Facts) -> Outcome:
-        from restartkit.snapshot.ops import restore, store_for
+        from restartkit.snapshot.ops import restore, snapshot_metrics, store_for
         store = store_for(service)
         snap = store.current()
         phases: dict[str, float] = {}
@@ -27,7 +27,6 @@ class CriuStrategy(BaseStrategy):
         try:
             proc, restore_phases = restore(service, facts, snap)
         except Exception as e:
-            from restartkit.snapshot.refresh import snapshot_metrics
             store.mark_suspect(snap, str(e)[:300])
             snapshot_metrics(service)
             tail = getattr(e, "log_tail", "")

@@ -677,8 +677,11 @@ def _early_cuda_context(args):
     RESTARTKIT_EARLY_CUDA_CONTEXT=0 turns it off; any failure is left for torch to report."""
     if not args.device.startswith("cuda") or os.environ.get("RESTARTKIT_EARLY_CUDA_CONTEXT", "1") == "0":
         return None
-    ordinal = int(args.device.split(":")[1]) if ":" in args.device else args.worker_rank
+    return start_cuda_context(int(args.device.split(":")[1]) if ":" in args.device else args.worker_rank)
 
+
+def start_cuda_context(ordinal: int) -> threading.Thread:
+    """A thread that makes device `ordinal`'s primary CUDA context through the driver API."""
     def make():
         import ctypes
         try:

@@ -36,6 +36,15 @@ def store_for(service) -> SnapshotStore:
     return SnapshotStore(Path(os.path.expanduser(d)) if d else service.state_dir / "snapshots")
 
 
+def snapshot_metrics(service, refresh: str | None = None) -> None:
+    """Rewrite the service's snapshot.prom; a metrics file that cannot be written never fails the work."""
+    from restartkit.record import write_snapshot_metrics
+    try:
+        write_snapshot_metrics(service.state_dir, service.policy.name, store_for(service), refresh)
+    except OSError:
+        pass
+
+
 def env_hash(env: dict) -> str:
     relevant = sorted((k, v) for k, v in env.items() if k.startswith(ENV_PREFIXES))
     return hashlib.sha256(repr(relevant).encode()).hexdigest()[:16]

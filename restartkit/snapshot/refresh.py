@@ -19,20 +19,11 @@ EXIT_OK, EXIT_FAILED, EXIT_BUSY = 0, 1, 75  # 75: EX_TEMPFAIL, "try again later"
 
 def refresh(service, facts, force: bool = False, say=print) -> int:
     """Returns the exit code; every run but a busy one updates snapshot.prom (the last refresh's outcome)."""
+    from restartkit.snapshot.ops import snapshot_metrics
     rc = _refresh(service, facts, force, say)
     if rc != EXIT_BUSY:
         snapshot_metrics(service, "ok" if rc == EXIT_OK else "failed")
     return rc
-
-
-def snapshot_metrics(service, refresh: str | None = None) -> None:
-    """Rewrite the service's snapshot.prom; a metrics file that cannot be written never fails the work."""
-    from restartkit.record import write_snapshot_metrics
-    from restartkit.snapshot.ops import store_for
-    try:
-        write_snapshot_metrics(service.state_dir, service.policy.name, store_for(service), refresh)
-    except OSError:
-        pass
 
 
 def _refresh(service, facts, force: bool, say) -> int:

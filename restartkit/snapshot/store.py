@@ -92,6 +92,10 @@ class SnapshotStore:
 
     def mark_suspect(self, snap: Snapshot, reason: str) -> None:
         snap.manifest["suspect"] = {"reason": reason, "at": time.time()}
+        self.save(snap)
+
+    def save(self, snap: Snapshot) -> None:
+        """Write back a snapshot's manifest after a change to it (atomic)."""
         write_json(snap.path / MANIFEST, snap.manifest)
 
     def prune(self, keep: int) -> list[str]:

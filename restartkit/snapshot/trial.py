@@ -51,7 +51,7 @@ def test_restore(service, facts, snap, say=lambda _m: None) -> dict:
     """Restore a copy of `snap` beside the serving engine and compare its canary with the one
     taken at dump time.  Returns {"ok", "canary_identical", "tokens", "phases", "error"};
     records the result in the snapshot's manifest ("tested").  Never touches the serving engine."""
-    from restartkit.snapshot.ops import identity, image_damage, mismatches
+    from restartkit.snapshot.ops import identity, image_damage, mismatches, store_for
     binary = facts.host.criu.path
     if problem := why_not(snap.manifest, binary, service.policy.service["host"]):
         raise StrategyError(problem)
@@ -87,8 +87,7 @@ def test_restore(service, facts, snap, say=lambda _m: None) -> dict:
             result["error"] = f"the restored copy's canary differs from the one taken at dump time: {result.get('tokens')} vs {want}"
     result["at"] = time.time()
     snap.manifest["tested"] = {k: v for k, v in result.items() if k != "tokens"}
-    from restartkit.snapshot.store import MANIFEST, write_json
-    write_json(snap.path / MANIFEST, snap.manifest)
+    store_for(service).save(snap)
     return result
 
 
