@@ -10,7 +10,8 @@ import click
 
 from restartkit import __version__
 from restartkit.errors import EXIT_NOT_SERVING, EXIT_SERVING, RestartkitError
-from restartkit.options import json_option, policy_option, reason_option, state_dir_option, strategy_option
+from restartkit.options import (json_option, policy_option, reason_option, state_dir_option, strategy_option,
+                                wait_option)
 
 
 def friendly(fn):
@@ -37,6 +38,12 @@ def emit(data: dict, as_json: bool, text: str) -> None:
 
 def say(msg: str) -> None:
     click.echo(msg, err=True)
+
+
+def guarded(svc, command: str, wait_s: float = 0.0, **kw):
+    """The lock, the preflight, reconciliation and the intent of a command that changes `svc`."""
+    from restartkit.guard import guarded as guard
+    return guard(svc, command, wait_s, say, **kw)
 
 
 def load(policy_path: str):
@@ -122,20 +129,23 @@ def plan(policy_path, strategy, reason, as_json):
 @click.option("--overlap/--no-overlap", default=None,
               help="ipc: prepare the new engine while the old one serves.  [default: [restart] overlap]")
 @click.option("--measure-downtime", is_flag=True, help="Hammer the service during the restart; record the longest gap.")
+@wait_option
 @json_option
 @state_dir_option
 @friendly
-def restart(policy_path, strategy, reason, strict, overlap, measure_downtime, as_json):
+def restart(policy_path, strategy, reason, strict, overlap, measure_downtime, wait_s, as_json):
     """Restart a service: plan, run the chosen strategy, prove it, recover on failure."""
-    restart_and_exit(policy_path, strategy, as_json, reason=reason, strict=strict, overlap=overlap,
+    restart_and_exit(policy_path, strategy, as_json, "restart", wait_s, reason=reason, strict=strict, overlap=overlap,
                      measure_downtime=measure_downtime)
 
 
-def restart_and_exit(policy_path, strategy: str, as_json: bool, reason: str = "restart", strict: bool = False,
-                     **options) -> None:
+def restart_and_exit(policy_path, strategy: str, as_json: bool, command: str, wait_s: float, reason: str = "restart",
+                     strict: bool = False, **options) -> None:
     """Run one restart, print its record, exit with the record's code."""
     from restartkit.restart import restart as do_restart
-    rec = do_restart(load(policy_path), strategy, reason, strict, say=say, **options)
+    svc = load(policy_path)
+    with guarded(svc, command, wait_s):
+        rec = do_restart(svc, strategy, reason, strict, say=say, **options)
     emit(rec.to_dict(), as_json, render_record(rec.to_dict()))
     sys.exit(rec.exit_code)
 
@@ -170,17 +180,19 @@ def render_record(r: dict) -> str:
 
 @main.command()
 @policy_option
+@wait_option
 @json_option
 @state_dir_option
 @friendly
-def start(policy_path, as_json):
+def start(policy_path, wait_s, as_json):
     """Start the service's engine (a cold start) and wait until it answers."""
     svc = load(policy_path)
-    if (proc := svc.current()) is not None:
-        emit({"state": "running", "pid": proc.pid}, as_json, f"{svc.policy.name} already runs (PID {proc.pid})")
-        return
-    started = svc.start_engine("cold")
-    svc.canary()
+    with guarded(svc, "start", wait_s):
+        if (proc := svc.current()) is not None:
+            emit({"state": "running", "pid": proc.pid}, as_json, f"{svc.policy.name} already runs (PID {proc.pid})")
+            return
+        started = svc.start_engine("cold")
+        svc.canary()
     readiness = {"signalled": started.process.ready_signalled, "probes": started.process.probes}
     emit({"state": "serving", "pid": started.process.pid, "ready_s": started.ready_s, "phases": started.engine_phases,
           "readiness": readiness},
@@ -189,13 +201,15 @@ def start(policy_path, as_json):
 
 @main.command()
 @policy_option
+@wait_option
 @json_option
 @state_dir_option
 @friendly
-def stop(policy_path, as_json):
+def stop(policy_path, wait_s, as_json):
     """Stop the service's engine: SIGTERM, wait, SIGKILL."""
     svc = load(policy_path)
-    how = svc.stop()
+    with guarded(svc, "stop", wait_s):
+        how = svc.stop()
     emit({"state": "stopped", "how": how}, as_json, f"{svc.policy.name}: {how}")
 
 
@@ -208,6 +222,7 @@ def status(policy_path, as_json):
     """Is the engine running, and does it answer a real completion?"""
     from restartkit.record import read_history
     svc = load(policy_path)
+    _reconcile_if_free(svc)
     proc = svc.current()
     ready = proc is not None and svc.is_ready()
     last = read_history(svc.state_dir, last=1)
@@ -220,6 +235,18 @@ def status(policy_path, as_json):
         text += f"; last restart: {last[0]['final_state']} by {last[0]['served_by']}"
     emit(data, as_json, text)
     sys.exit(EXIT_SERVING if ready else EXIT_NOT_SERVING)
+
+
+def _reconcile_if_free(svc) -> None:
+    """A read-only command still finishes an interrupted restart, when no other command holds the lock."""
+    from restartkit.errors import RestartkitError
+    if not (svc.state_dir / "intent.json").exists():
+        return
+    try:
+        with guarded(svc, "status"):
+            pass
+    except RestartkitError:  # busy, or a state dir we cannot write: report what is, change nothing
+        pass
 
 
 @main.command()
@@ -270,13 +297,16 @@ def preload(policy_path, detach, wait_ready, **flags):
 
 @main.command()
 @policy_option
+@wait_option
 @json_option
 @state_dir_option
 @friendly
-def rollout(policy_path, as_json):
+def rollout(policy_path, wait_s, as_json):
     """Put a service on its weight cache: cache first, then an ipc restart with fallback off, then the policy's own."""
     from restartkit.rollout import rollout as do_rollout
-    recs = do_rollout(load(policy_path), say)
+    svc = load(policy_path)
+    with guarded(svc, "rollout", wait_s):
+        recs = do_rollout(svc, say)
     emit({"records": [r.to_dict() for r in recs]}, as_json, "\n".join(render_record(r.to_dict()) for r in recs))
     last = recs[-1]
     sys.exit(last.exit_code if len(recs) == 2 else max(last.exit_code, 1))
@@ -321,14 +351,25 @@ def weightcache_release(policy_path, force, stop_daemons, as_json):
 @main.command("sleep")
 @policy_option
 @click.option("--level", type=click.IntRange(1, 2), default=None, help="Default: [sleep] level.")
+@wait_option
 @json_option
 @state_dir_option
 @friendly
-def sleep_cmd(policy_path, level, as_json):
+def sleep_cmd(policy_path, level, wait_s, as_json):
     """Put the engine to sleep: park (1) or drop (2) its weights, free its KV cache."""
+    svc = load(policy_path)
+    with guarded(svc, "sleep", wait_s):
+        cycle = _sleep(svc, level)
+    p = cycle.proof
+    data = {**p["sleep_answer"], **{k: v for k, v in p.items() if k != "sleep_answer"}, "is_sleeping": True}
+    freed = p.get("freed_bytes") or 0
+    emit(data, as_json, f"{svc.policy.name} asleep at level {cycle.level}; the engine freed {freed / 1e6:.1f} MB "
+         f"({'device memory' if cycle.device == 'cuda' else 'resident memory'})")
+
+
+def _sleep(svc, level):
     from restartkit.errors import EngineStartError, StrategyError
     from restartkit.sleepcycle import Cycle, SleepCycleError
-    svc = load(policy_path)
     proc = svc.current()
     if proc is None:
         raise EngineStartError(f"{svc.policy.name} is not running", hint=f"restartkit start --policy {svc.policy.path}")
@@ -343,21 +384,18 @@ def sleep_cmd(policy_path, level, as_json):
     except SleepCycleError as e:
         raise StrategyError(e.message, hint=f"the engine may be half asleep: restartkit wake --policy {svc.policy.path} "
                                             "wakes it (or recovers with a cold start)") from None
-    p = cycle.proof
-    data = {**p["sleep_answer"], **{k: v for k, v in p.items() if k != "sleep_answer"}, "is_sleeping": True}
-    freed = p.get("freed_bytes") or 0
-    emit(data, as_json, f"{svc.policy.name} asleep at level {cycle.level}; the engine freed {freed / 1e6:.1f} MB "
-         f"({'device memory' if cycle.device == 'cuda' else 'resident memory'})")
+    return cycle
 
 
 @main.command("wake")
 @policy_option
+@wait_option
 @json_option
 @state_dir_option
 @friendly
-def wake_cmd(policy_path, as_json):
+def wake_cmd(policy_path, wait_s, as_json):
     """Wake a sleeping engine, prove it by the canary; on failure, recover with a cold start."""
-    restart_and_exit(policy_path, "sleep", as_json)
+    restart_and_exit(policy_path, "sleep", as_json, "wake", wait_s)
 
 
 # ---- snapshots -----------------------------------------------------------------------
@@ -367,9 +405,9 @@ def snapshot():
     """CRIU snapshots of a running engine (the criu strategy)."""
 
 
-def _snapshot_context(policy_path):
+def _snapshot_context(policy_path_or_service):
     from restartkit.restart import gather_facts
-    svc = load(policy_path)
+    svc = load(policy_path_or_service) if isinstance(policy_path_or_service, str) else policy_path_or_service
     return svc, gather_facts(svc, "restart")
 
 
@@ -384,16 +422,19 @@ def _require_snapshot_prereqs(svc, facts):
 @snapshot.command("create")
 @policy_option
 @click.option("--stop", "stop_engine", is_flag=True, help="Let the engine die with the dump (default: it keeps running).")
+@wait_option
 @json_option
 @state_dir_option
 @friendly
-def snapshot_create(policy_path, stop_engine, as_json):
+def snapshot_create(policy_path, stop_engine, wait_s, as_json):
     """Snapshot the running engine (KV cache dropped first, put back after)."""
-    from restartkit.snapshot.ops import create, snapshot_metrics
-    svc, facts = _snapshot_context(policy_path)
-    _require_snapshot_prereqs(svc, facts)
-    snap = create(svc, facts, leave_running=not stop_engine, progress=say)
-    snapshot_metrics(svc)
+    from restartkit.snapshot.ops import create, snapshot_metrics, store_for
+    svc = load(policy_path)
+    with guarded(svc, "snapshot create", wait_s, extra_dirs=((store_for(svc).root, "snapshot images dir"),)):
+        svc, facts = _snapshot_context(svc)
+        _require_snapshot_prereqs(svc, facts)
+        snap = create(svc, facts, leave_running=not stop_engine, progress=say)
+        snapshot_metrics(svc)
     emit({"id": snap.id, "path": str(snap.path), **snap.manifest}, as_json,
          f"snapshot {snap.id} ({snap.manifest['image_bytes'] / 1e6:.1f} MB) is current; engine "
          + ("stopped" if stop_engine else "still serving"))
@@ -401,12 +442,13 @@ def snapshot_create(policy_path, stop_engine, as_json):
 
 @snapshot.command("restore")
 @policy_option
+@wait_option
 @json_option
 @state_dir_option
 @friendly
-def snapshot_restore(policy_path, as_json):
+def snapshot_restore(policy_path, wait_s, as_json):
     """Restore the current snapshot as the engine: the criu strategy, with its recovery path."""
-    restart_and_exit(policy_path, "criu", as_json)
+    restart_and_exit(policy_path, "criu", as_json, "snapshot restore", wait_s)
 
 
 @snapshot.command("list")
@@ -461,20 +503,26 @@ def snapshot_inspect(policy_path, snapshot_id, as_json):
 @snapshot.command("test")
 @policy_option
 @click.argument("snapshot_id", required=False)
+@wait_option
 @json_option
 @state_dir_option
 @friendly
-def snapshot_test(policy_path, snapshot_id, as_json):
+def snapshot_test(policy_path, snapshot_id, wait_s, as_json):
     """Restore a copy of a snapshot (default: current) beside the serving engine, in namespaces of its
-    own, and check its canary; the engine is not touched. A snapshot that fails is marked suspect."""
+    own, and check its canary; the engine is not touched. A snapshot that fails is marked suspect;
+    one that passes is cleared of an earlier mark."""
     from restartkit.snapshot.trial import test_restore
-    svc, facts = _snapshot_context(policy_path)
-    store, snap = _pick_snapshot(svc, snapshot_id)
     from restartkit.snapshot.ops import snapshot_metrics
-    result = test_restore(svc, facts, snap, say=lambda m: None if as_json else click.echo(m))
-    if not result["ok"]:
-        store.mark_suspect(snap, f"test restore failed: {result.get('error')}")
-    snapshot_metrics(svc)
+    svc = load(policy_path)
+    with guarded(svc, "snapshot test", wait_s):
+        svc, facts = _snapshot_context(svc)
+        store, snap = _pick_snapshot(svc, snapshot_id)
+        result = test_restore(svc, facts, snap, say=lambda m: None if as_json else click.echo(m))
+        if not result["ok"]:
+            store.mark_suspect(snap, f"test restore failed: {result.get('error')}")
+        else:
+            store.clear_suspect(snap)
+        snapshot_metrics(svc)
     phases = result.get("phases") or {}
     emit({"id": snap.id, **result}, as_json,
          f"{snap.id}: restored beside the engine in {result['wall_s']:.2f} s (restore {phases.get('criu_restore', 0):.2f} s), "
@@ -487,13 +535,15 @@ def snapshot_test(policy_path, snapshot_id, as_json):
 @snapshot.command("prune")
 @policy_option
 @click.option("--keep", type=int, default=None, help="Default: [criu] keep.")
+@wait_option
 @state_dir_option
 @friendly
-def snapshot_prune(policy_path, keep):
+def snapshot_prune(policy_path, keep, wait_s):
     """Remove all but the newest N snapshots (never the current one)."""
     from restartkit.snapshot.ops import store_for
     svc = load(policy_path)
-    removed = store_for(svc).prune(keep or svc.policy.criu["keep"])
+    with guarded(svc, "snapshot prune", wait_s):
+        removed = store_for(svc).prune(keep or svc.policy.criu["keep"])
     click.echo(f"removed {len(removed)}: {', '.join(removed)}" if removed else "nothing to remove")
 
 
@@ -502,9 +552,10 @@ def snapshot_prune(policy_path, keep):
 @click.option("--force", is_flag=True, help="Take a new snapshot even if the current one is fresh.")
 @click.option("--install-timer", is_flag=True, help="Write a systemd .service/.timer pair and print the crontab line.")
 @click.option("--unit-dir", default="/etc/systemd/system", show_default=True)
+@wait_option
 @state_dir_option
 @friendly
-def snapshot_refresh(policy_path, force, install_timer, unit_dir):
+def snapshot_refresh(policy_path, force, install_timer, unit_dir, wait_s):
     """For cron or a systemd timer: a new snapshot when the current one is stale. Exit 75 when another refresh runs."""
     from restartkit.snapshot.refresh import install_timer as install, refresh
     if install_timer:
@@ -514,8 +565,17 @@ def snapshot_refresh(policy_path, force, install_timer, unit_dir):
         click.echo(f"enable it: systemctl daemon-reload && systemctl enable --now {files[1].name}")
         click.echo(f"or, with cron (/etc/cron.d/restartkit): {cron}")
         return
-    svc, facts = _snapshot_context(policy_path)
-    sys.exit(refresh(svc, facts, force=force, say=click.echo))
+    from restartkit.guard import BusyError
+    from restartkit.snapshot.ops import store_for
+    svc = load(policy_path)
+    try:
+        with guarded(svc, "snapshot refresh", wait_s, extra_dirs=((store_for(svc).root, "snapshot images dir"),)):
+            svc, facts = _snapshot_context(svc)
+            rc = refresh(svc, facts, force=force, say=click.echo)
+    except BusyError as e:  # one line, for cron mail
+        click.echo(f"{svc.policy.name}: {e.message}; nothing done")
+        rc = e.exit_code
+    sys.exit(rc)
 
 
 # ---- models and the reference engine -------------------------------------------------
@@ -576,14 +636,17 @@ def audit(path, engine, since, until, as_json):
 @click.option("--strategies", default="cold", show_default=True, help="Comma-separated strategies to compare.")
 @click.option("--repeat", type=int, default=3, show_default=True)
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Write bench.json (and bench.png with matplotlib) here.")
+@wait_option
 @json_option
 @state_dir_option
 @friendly
-def bench(policy_path, strategies, repeat, out, as_json):
+def bench(policy_path, strategies, repeat, out, wait_s, as_json):
     """Restart the same service with each strategy N times; compare time to ready."""
     from restartkit.bench import render_bench, run_bench
     names = [s.strip() for s in strategies.split(",") if s.strip()]
-    result = run_bench(load(policy_path), names, repeat, out, say=say)
+    svc = load(policy_path)
+    with guarded(svc, "bench", wait_s, defer_signals=False):
+        result = run_bench(svc, names, repeat, out, say=say)
     emit(result, as_json, render_bench(result))
 
 

@@ -19,6 +19,10 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print one JS
 state_dir_option = click.option(
     "--state-dir", envvar="RESTARTKIT_STATE_DIR", show_envvar=True, expose_value=False, is_eager=True,
     callback=_set_state_dir, help="Where records, logs and PID files live.  [default: ~/.local/state/restartkit]")
+wait_option = click.option(
+    "--wait", "wait_s", type=click.FloatRange(min=0), default=0.0, envvar="RESTARTKIT_LOCK_WAIT", show_envvar=True,
+    show_default=True, help="Seconds to wait for another restartkit command on this service to finish "
+                            "(0: exit 75 at once, naming it).")
 strategy_choice = click.Choice(["auto", "sleep", "ipc", "criu", "cold"])
 strategy_option = click.option("--strategy", type=strategy_choice, default="auto", show_default=True,
                                help="How to bring the service back; auto picks the fastest eligible.")

@@ -2,11 +2,14 @@
 failure the recovery path (a cold start).  Every restart leaves one record."""
 from __future__ import annotations
 
+import json
+import sys
 import time
 from typing import Callable
 
 from restartkit import facts as host_facts
 from restartkit.errors import RestartkitError
+from restartkit.guard import now_ticks
 from restartkit.planner import Plan, make_plan
 from restartkit.record import Record, append_history, update_metrics
 from restartkit.service import Service
@@ -110,6 +113,7 @@ def _restart(service: Service, plan: Plan, facts: Facts, requested: str, reason:
     rec.proof = {"baseline_source": source, "before": baseline}
 
     t0 = time.monotonic()
+    since_ticks = now_ticks()  # a listener on the port created from here on belongs to this restart
     strategies = all_strategies()
     primary = plan.attempt
     say(f"running {primary}" + (f" (recovery: {plan.recovery})" if primary != plan.recovery else ""))
@@ -134,6 +138,11 @@ def _restart(service: Service, plan: Plan, facts: Facts, requested: str, reason:
         rec.via_recovery = True
         rec.recovery_reason = f"{primary} failed: {outcome.error}"
         say(f"{primary} failed ({outcome.error}); recovering with a cold start")
+        cleared = service.clear_for_recovery([facts.service.pid, *outcome.pids, *service.intent.data.get("pids", [])],
+                                             since_ticks)
+        if cleared:
+            rec.attempts[-1]["killed_before_recovery"] = cleared
+        service.intent.update(strategy=plan.recovery, role="recovery")
         outcome = _attempt(strategies[plan.recovery], service, facts, baseline, rec, role="recovery")
     if outcome.ok and outcome.fallback:
         rec.via_recovery = True
@@ -161,6 +170,7 @@ def _baseline(service: Service, facts: Facts, reason: str, say) -> tuple[list | 
 
 
 def _attempt(strategy, service: Service, facts: Facts, baseline, rec: Record, role: str, after_execute=None) -> Outcome:
+    service.intent.update(strategy=strategy.name, role=role, reason=facts.reason)
     try:
         outcome = strategy.execute(service, facts)
     except RestartkitError as e:
@@ -172,6 +182,8 @@ def _attempt(strategy, service: Service, facts: Facts, baseline, rec: Record, ro
         after_execute()
     if outcome.ok:
         _verify(service, outcome, baseline, facts.reason)
+        if not outcome.ok:
+            strategy.on_canary_failure(service, outcome)
     entry = outcome.to_dict()
     entry["role"] = role
     rec.attempts.append(entry)
@@ -209,9 +221,18 @@ def _verify(service: Service, outcome: Outcome, baseline, reason: str) -> None:
 
 def _close(service: Service, rec: Record, strict: bool) -> Record:
     rec.finish(strict)
+    write_record(service, rec)
+    return rec
+
+
+def write_record(service: Service, rec: Record) -> bool:
+    """history.jsonl and metrics.prom.  A record that cannot be written is printed on stderr
+    (never silently lost), and never turns a served restart into a failed command."""
     try:
         append_history(service.state_dir, rec)
         update_metrics(service.state_dir, rec)
-    except OSError:
-        pass  # a full disk must not turn a served restart into a failed command
-    return rec
+        return True
+    except OSError as e:
+        print(f"restartkit: could not write the record of restart {rec.id} to {service.state_dir} ({e.strerror or e}); "
+              f"the record follows:\n{json.dumps(rec.to_dict(), default=str)}", file=sys.stderr)
+        return False

@@ -16,8 +16,12 @@ from pathlib import Path
 
 from restartkit.engines import get_adapter
 from restartkit.errors import EngineStartError, UsageError
+from restartkit.guard import Intent, proc_start_ticks
 from restartkit.strategies.base import ServiceFacts
-from restartkit.supervise import EngineProcess, ProcState, Seam
+from restartkit.supervise import (EngineProcess, ProcState, Seam, kill_tree, listeners, port_has_listener, reap,
+                                  tree_pids)
+
+FACT_TIMEOUT_S = 3.0  # per question asked of a running engine while gathering facts: a hung one costs seconds
 
 
 @dataclass
@@ -58,6 +62,7 @@ class Service:
         self.seam = seam or Seam()
         self.adapter, self.adapter_problem = get_adapter(policy.service["engine"])
         self.state_dir = policy.state_dir()
+        self.intent = Intent(self.state_dir)  # written only once a guarded command has begun it
 
     # ---- files ----------------------------------------------------------------
     def ensure_state_dir(self) -> Path:
@@ -84,18 +89,30 @@ class Service:
             info = json.loads(self.pidfile.read_text())
         except (OSError, ValueError):
             return None
-        proc = EngineProcess(pid=info["pid"], create_time=info.get("create_time"), log_path=self.log_path, seam=self.seam)
+        proc = EngineProcess(pid=info["pid"], create_time=info.get("create_time"), start_ticks=info.get("start_ticks"),
+                             log_path=self.log_path, seam=self.seam)
         if not proc.alive():
             return None
         proc.state = ProcState.READY if info.get("ready") else ProcState.STARTING
         return proc
 
-    def is_ready(self) -> bool:
+    def is_ready(self, timeout_s: float | None = None) -> bool:
+        return self.probe(timeout_s)[0]
+
+    def probe(self, timeout_s: float | None = None) -> tuple[bool, bool]:
+        """(ready, answered): did a real completion pass, and did the engine answer at all
+        (a 503 while asleep or loading is an answer; a hung engine gives none)."""
+        from restartkit.http import HTTPFailure
         try:
-            self.adapter.probe(self.policy)
-            return True
+            if timeout_s is None:
+                self.adapter.probe(self.policy)
+            else:
+                self.adapter.probe(self.policy, timeout=timeout_s)
+            return True, True
+        except HTTPFailure as e:
+            return False, e.status is not None
         except Exception:
-            return False
+            return False, True
 
     def service_facts(self) -> ServiceFacts:
         s = self.policy.service
@@ -107,15 +124,20 @@ class Service:
         proc = self.current()
         if proc is not None:
             sf.engine_running, sf.pid = True, proc.pid
-            sf.engine_ready = self.is_ready()
-            try:
-                sf.extra["engine_stats"] = self.adapter.stats(self.policy)
-            except Exception:
-                pass
-            try:
-                sf.extra["sleep_state"] = self.adapter.sleep_state(self.policy, proc.pid)
-            except Exception as e:
-                sf.extra["sleep_state"] = {"enabled": False, "why": f"could not ask the engine: {e}"}
+            # a hung engine must cost seconds here, not the minutes a loaded one may take to answer
+            sf.engine_ready, answered = self.probe(timeout_s=FACT_TIMEOUT_S)
+            if answered:
+                try:
+                    sf.extra["engine_stats"] = self.adapter.stats(self.policy, timeout=FACT_TIMEOUT_S)
+                except Exception:
+                    pass
+                try:
+                    sf.extra["sleep_state"] = self.adapter.sleep_state(self.policy, proc.pid)
+                except Exception as e:
+                    sf.extra["sleep_state"] = {"enabled": False, "why": f"could not ask the engine: {e}"}
+            else:
+                sf.extra["sleep_state"] = {"enabled": False, "asleep": None, "level": None,
+                                           "why": f"the engine does not answer within {FACT_TIMEOUT_S:.0f} s"}
         if not sf.model_problem and self.policy.service["engine"] == "reference":
             sf.extra["ipc"] = self.ipc_facts()
         return sf
@@ -141,25 +163,55 @@ class Service:
             return {"error": f"{type(e).__name__}: {e}"}
 
     def port_listening(self) -> bool:
+        """Does anything listen on the service's port?  Read from /proc, not by connecting:
+        a stopped engine whose backlog is full still holds its port."""
+        return port_has_listener(self.policy.service["port"])
+
+    def _connects(self) -> bool:  # a listener /proc does not show us (another user's hidepid, say)
         s = self.policy.service
         host = "127.0.0.1" if s["host"] in ("0.0.0.0", "") else s["host"]
         with socket.socket() as sock:
-            sock.settimeout(0.5)
+            sock.settimeout(0.2)
             return sock.connect_ex((host, s["port"])) == 0
 
     def port_holder(self) -> str | None:
         """Who listens on the service's port, if anyone."""
-        s = self.policy.service
-        if not self.port_listening():
-            return None
-        try:
-            import psutil
-            for c in psutil.net_connections(kind="tcp"):
-                if c.laddr and c.laddr.port == s["port"] and c.status == psutil.CONN_LISTEN and c.pid:
-                    return f"PID {c.pid} ({psutil.Process(c.pid).name()})"
-        except Exception:
-            pass
-        return "another process"
+        pids = listeners(self.policy.service["port"])
+        if pids:
+            return ", ".join(f"PID {p} ({_comm(p)})" for p in pids)
+        return "another process" if self.port_listening() or self._connects() else None
+
+    def _port_holder_after_grace(self, grace_s: float = 3.0) -> str | None:
+        """The port's holder; a listener no process holds any more (a socket still closing
+        as its killed owner exits) is given a moment to go."""
+        deadline = time.monotonic() + grace_s
+        while (holder := self.port_holder()) == "another process" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return holder
+
+    def clear_for_recovery(self, pids: list[int], since_ticks: int | None) -> list[int]:
+        """Before a recovery start: kill and reap every process of the failed attempt, so that
+        its port and PIDs are free.  `pids`: engines this restart knew of (the old one, what the
+        attempt started or restored); besides these, any listener on the service's port that
+        was created during this restart (`since_ticks`).  A listener older than the restart
+        that we do not know is someone else's: left alone, and the start names it."""
+        port = self.policy.service["port"]
+        doomed = [p for p in dict.fromkeys(pids) if p and proc_start_ticks(p) is not None]
+        for p in listeners(port):
+            ticks = proc_start_ticks(p)
+            if p not in doomed and since_ticks is not None and ticks is not None and ticks >= since_ticks:
+                doomed.append(p)
+        for p in doomed:
+            kill_tree(p)
+        deadline = time.monotonic() + self.policy.restart["stop_timeout_s"]
+        while time.monotonic() < deadline:
+            for p in doomed:
+                reap(p)
+            if not any(tree_pids(p) for p in doomed) and not set(listeners(port)) & set(doomed):
+                break
+            time.sleep(0.05)
+        self.pidfile.unlink(missing_ok=True)
+        return doomed
 
     # ---- start / stop -------------------------------------------------------------
     def start_engine(self, strategy: str = "cold", extra_args: list[str] = (), extra_env: dict | None = None) -> Started:
@@ -169,7 +221,7 @@ class Service:
             key = "draft_model" if problem.startswith(("draft_model", "the draft model")) else "model"
             raise EngineStartError(f"cannot start {self.policy.name}: {problem}",
                                    hint=f"fix [service] {key} in {self.policy.path}")
-        if holder := self.port_holder():
+        if holder := self._port_holder_after_grace():
             s = self.policy.service
             raise EngineStartError(f"port {s['port']} is already in use by {holder}",
                                    hint=f"stop that process, or set another [service] port in {self.policy.path}")
@@ -218,13 +270,16 @@ class Service:
         finally:
             if ready_w is not None:
                 os.close(ready_w)
-        return EngineProcess(pid=popen.pid, create_time=_create_time(popen.pid), log_path=self.log_path,
+        self.intent.update(pids=[popen.pid])
+        return EngineProcess(pid=popen.pid, create_time=_create_time(popen.pid), start_ticks=proc_start_ticks(popen.pid),
+                             log_path=self.log_path,
                              popen=popen, seam=self.seam, ready_fd=ready_r), log_offset
 
     def adopt(self, pid: int, strategy: str) -> EngineProcess:
         """Record a process restartkit did not spawn itself (a CRIU restore) as the engine."""
         self.ensure_state_dir()
-        proc = EngineProcess(pid=pid, create_time=_create_time(pid), log_path=self.log_path, seam=self.seam)
+        proc = EngineProcess(pid=pid, create_time=_create_time(pid), start_ticks=proc_start_ticks(pid),
+                             log_path=self.log_path, seam=self.seam)
         self._write_pidfile(proc, strategy, ready=False)
         return proc
 
@@ -233,7 +288,8 @@ class Service:
 
     def _write_pidfile(self, proc: EngineProcess, strategy: str, ready: bool) -> None:
         write_json_atomic(self.pidfile, {
-            "pid": proc.pid, "create_time": proc.create_time, "port": self.policy.service["port"],
+            "pid": proc.pid, "create_time": proc.create_time, "start_ticks": proc.start_ticks,
+            "port": self.policy.service["port"],
             "strategy": strategy, "ready": ready, "written_at": time.time(),
         })
 
@@ -336,6 +392,13 @@ class Service:
 def subprocess_devnull():
     import subprocess
     return subprocess.DEVNULL
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
 
 
 def _create_time(pid: int) -> float | None:

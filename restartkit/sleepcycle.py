@@ -20,6 +20,9 @@ from restartkit import http
 from restartkit.memory import free_memory, tree_memory
 
 
+RSS_NOISE_BYTES = 32 << 20
+
+
 class SleepCycleError(Exception):
     def __init__(self, message: str, proof: dict):
         super().__init__(message)
@@ -77,6 +80,13 @@ class Cycle:
             freed = before - asleep
             self.proof["freed_bytes"] = freed
             want = pol.sleep["min_freed_fraction"] * (expected or before)
+            if verify_memory and self.device != "cuda" and expected is not None and expected < RSS_NOISE_BYTES:
+                # a serving process's resident memory moves by megabytes with every request (allocator
+                # arenas, page cache of its own files): too little parked to see it there
+                self.proof["memory_check"] = (f"not conclusive: the engine parked {expected / 1e6:.1f} MB, below the "
+                                              f"{RSS_NOISE_BYTES / 1e6:.0f} MB that a serving process's resident "
+                                              "memory moves by; its answer and the canary prove the cycle")
+                verify_memory = False
             if verify_memory and freed < want:
                 what = "device" if self.device == "cuda" else "resident"
                 self.fail(f"sleep freed {freed / 1e6:.1f} MB of the engine's {what} memory, less than "

@@ -23,6 +23,7 @@ from typing import Callable
 import tenacity
 
 from restartkit.errors import EngineStartError
+from restartkit.guard import proc_start_ticks
 
 
 class ProcState(enum.Enum):
@@ -60,7 +61,12 @@ class Seam:
     kill: Callable[[int, int], None] = os.kill
     popen: Callable[..., subprocess.Popen] = subprocess.Popen
 
-    def alive(self, pid: int, create_time: float | None = None) -> bool:
+    def alive(self, pid: int, create_time: float | None = None, start_ticks: int | None = None) -> bool:
+        """Is this process (not another one under a reused PID) alive?  Named by its start
+        time in clock ticks since boot when known (no clock step changes it), else by its
+        wall-clock create time (records written before start ticks were kept)."""
+        if start_ticks is not None:
+            return proc_start_ticks(pid) == start_ticks and not _exited(pid)
         try:
             import psutil
             p = psutil.Process(pid)
@@ -69,6 +75,85 @@ class Seam:
             return create_time is None or abs(p.create_time() - create_time) < 0.5
         except Exception:  # NoSuchProcess, AccessDenied on a foreign PID
             return False
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie whose threads have all exited too: a killed process's leader turns
+    zombie first, and its files (its listening socket) close only when its last thread exits."""
+    state = proc_state(pid)
+    if state is None or state == "X":
+        return True
+    if state != "Z":
+        return False
+    try:
+        return len(os.listdir(f"/proc/{pid}/task")) <= 1
+    except OSError:
+        return True
+
+
+def proc_state(pid: int) -> str | None:
+    """The state letter in /proc/PID/stat (R, S, T, Z...), None when there is no such process."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+        return raw[raw.rindex(")") + 2]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and its descendants (a stopped process dies too)."""
+    for p in reversed(tree_pids(pid)):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _listen_inodes(port: int) -> set[str]:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    cols = line.split()
+                    if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(cols[9])
+        except OSError:
+            continue
+    return inodes
+
+
+def port_has_listener(port: int) -> bool:
+    """Does a TCP socket listen on `port` (any address)?  Read from /proc, no connection
+    made: a stopped process whose backlog is full still counts."""
+    return bool(_listen_inodes(port))
+
+
+def listeners(port: int) -> list[int]:
+    """PIDs with a TCP socket listening on `port` (any address), read from /proc."""
+    inodes = _listen_inodes(port)
+    if not inodes:
+        return []
+    wanted = {f"socket:[{i}]" for i in inodes}
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fds = os.scandir(f"/proc/{entry.name}/fd")
+            if any(_readlink(fd.path) in wanted for fd in fds):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def _readlink(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
 
 
 def tree_pids(pid: int) -> list[int]:
@@ -124,6 +209,7 @@ class EngineProcess:
     seam: Seam = field(default_factory=Seam)
     state: ProcState = ProcState.STARTING
     history: list[tuple[str, float]] = field(default_factory=list)
+    start_ticks: int | None = None  # /proc/PID/stat start time: with the PID, names this process
     ready_fd: int | None = None  # read end of the engine's ready signal (see EngineAdapter.signals_ready)
     ready_signalled: bool = False  # the engine said it was ready through ready_fd
     probes: int = 0  # readiness probes sent by wait_ready
@@ -140,7 +226,7 @@ class EngineProcess:
     def alive(self) -> bool:
         if self.popen is not None:
             return self.popen.poll() is None
-        return self.seam.alive(self.pid, self.create_time)
+        return self.seam.alive(self.pid, self.create_time, self.start_ticks)
 
     def wait_ready(self, probe: Callable[[], None], timeout_s: float, interval_s: float = 0.05,
                    signal_interval_s: float = 1.0) -> float:

@@ -68,9 +68,10 @@ class Outcome:
     fallback: str | None = None  # served, but not by the fast path (e.g. "fallback(dtype)")
     old_still_serving: bool = False  # failed before the old engine was stopped: nothing to recover
     ready_at: float | None = None  # time.monotonic() when the new engine first answered (None: unknown)
+    pids: list[int] = field(default_factory=list)  # processes this attempt started or restored (killed before recovery)
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "ready_at"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("ready_at", "pids")}
 
 
 class Strategy(Protocol):
@@ -100,6 +101,9 @@ class BaseStrategy:
 
     def execute(self, service: "Service", facts: Facts) -> Outcome:
         raise NotImplementedError(f"{self.name} cannot execute")
+
+    def on_canary_failure(self, service: "Service", outcome: Outcome) -> None:
+        """The engine this strategy brought back answered a different canary (criu: mark the snapshot)."""
 
 
 def _version() -> str:

@@ -2,7 +2,10 @@
 
 The restored process must answer a real completion and give the same canary;
 anything else (identity mismatch, PIDs taken, a corrupt image, CRIU missing)
-goes to recovery, and the snapshot is marked suspect, never deleted.
+goes to recovery.  The snapshot is marked suspect (never deleted) only when
+its own images fail to restore or the restored engine answers a different
+canary; a port or PIDs held by others, or a restored engine killed by
+someone else, say nothing about the snapshot.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ class CriuStrategy(BaseStrategy):
     prerequisites = [adapter_available, model_loadable, *PREREQUISITES]
 
     def execute(self, service, facts: Facts) -> Outcome:
-        from restartkit.snapshot.ops import restore, snapshot_metrics, store_for
+        from restartkit.snapshot.ops import restore, store_for
         store = store_for(service)
         snap = store.current()
         phases: dict[str, float] = {}
@@ -27,14 +30,34 @@ class CriuStrategy(BaseStrategy):
         try:
             proc, restore_phases = restore(service, facts, snap)
         except Exception as e:
-            store.mark_suspect(snap, str(e)[:300])
-            snapshot_metrics(service)
+            suspect = bool(getattr(e, "snapshot_fault", False))
+            if suspect:
+                self._mark(service, snap, str(e)[:300])
             tail = getattr(e, "log_tail", "")
             return Outcome(self.name, ok=False, phases=phases, error=f"restore of snapshot {snap.id} failed: {e}",
-                           detail={"criu_log_tail": tail, "snapshot": snap.id, "snapshot_kept": True})
+                           pids=list(snap.manifest.get("tree_pids") or []),
+                           detail={"criu_log_tail": tail, "snapshot": snap.id, "snapshot_kept": True,
+                                   "snapshot_marked_suspect": suspect})
         phases.update(restore_phases)
         phases["start_to_ready"] = round(time.monotonic() - t0 - phases["stop"], 4)
-        return Outcome(self.name, ok=True, phases=phases,
+        return Outcome(self.name, ok=True, phases=phases, pids=[proc.pid],
                        proof={"path": f"CRIU restore of snapshot {snap.id}", "restored_pid": proc.pid,
                               "snapshot": snap.id, "image_bytes": snap.manifest.get("image_bytes"),
                               "snapshot_canary_matches": None})
+
+    def on_canary_failure(self, service, outcome: Outcome) -> None:
+        from restartkit.snapshot.ops import store_for
+        store = store_for(service)
+        snap = store.get(outcome.proof.get("snapshot") or "")
+        if snap is not None:
+            self._mark(service, snap, outcome.error or "the restored engine answered a different canary")
+            outcome.detail["snapshot_marked_suspect"] = True
+
+    @staticmethod
+    def _mark(service, snap, reason: str) -> None:
+        from restartkit.snapshot.ops import snapshot_metrics, store_for
+        try:
+            store_for(service).mark_suspect(snap, reason)
+        except OSError as e:
+            print(f"restartkit: could not mark snapshot {snap.id} suspect ({e})", flush=True)
+        snapshot_metrics(service)

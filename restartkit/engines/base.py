@@ -44,9 +44,9 @@ class EngineAdapter:
                 "temperature": 0.0, "return_token_ids": True, **self.completion_extra}
         return http.post((base or self.base_url(policy)) + "/v1/completions", body, timeout=timeout)
 
-    def probe(self, policy) -> None:
+    def probe(self, policy, timeout: float = 30.0) -> None:
         """Ready means a real completion answered, not a 200 from /health."""
-        out = self.completion(policy, "ready?", 1, timeout=30.0)
+        out = self.completion(policy, "ready?", 1, timeout=timeout)
         if not out.get("choices"):
             raise RuntimeError("completion answered without choices")
 
@@ -62,7 +62,7 @@ class EngineAdapter:
             result.append(list(tokens))
         return result
 
-    def stats(self, policy) -> dict:
+    def stats(self, policy, timeout: float = 10.0) -> dict:
         return {}
 
     def feature_problems(self, policy) -> dict[str, str | None]:
@@ -77,7 +77,7 @@ class EngineAdapter:
         """Shrink the process before a dump (e.g. free the KV cache); returns what it did."""
         return {}
 
-    def after_resume(self, policy) -> None:
+    def after_resume(self, policy, timeout: float = 120.0) -> None:
         """Undo before_snapshot once the process runs again (after a dump or a restore)."""
         return None
 

@@ -53,8 +53,8 @@ class ReferenceAdapter(EngineAdapter):
     def served_name(self, policy) -> str:
         return os.path.basename(os.path.normpath(policy.service["model"]))
 
-    def stats(self, policy) -> dict:
-        return http.get(self.base_url(policy) + "/admin/stats", timeout=10.0)
+    def stats(self, policy, timeout: float = 10.0) -> dict:
+        return http.get(self.base_url(policy) + "/admin/stats", timeout=timeout)
 
     def feature_problems(self, policy) -> dict[str, str | None]:
         return {"ipc": None, "sleep": None}
@@ -76,5 +76,5 @@ class ReferenceAdapter(EngineAdapter):
     def before_snapshot(self, policy) -> dict:
         return {"kv_cache_freed_bytes": http.post(self.base_url(policy) + "/admin/drop_kv_cache", timeout=60).get("freed_bytes", 0)}
 
-    def after_resume(self, policy) -> None:
-        http.post(self.base_url(policy) + "/admin/restore_kv_cache", timeout=120)
+    def after_resume(self, policy, timeout: float = 120.0) -> None:
+        http.post(self.base_url(policy) + "/admin/restore_kv_cache", timeout=timeout)

@@ -38,8 +38,8 @@ class SGLangAdapter(EngineAdapter):
     def model_problem(self, policy) -> str | None:
         return None if self.version() else "SGLang is not installed in restartkit's Python (pip install sglang)"
 
-    def probe(self, policy) -> None:
-        http.get(self.base_url(policy) + "/health_generate", timeout=60)
+    def probe(self, policy, timeout: float = 60.0) -> None:
+        http.get(self.base_url(policy) + "/health_generate", timeout=timeout)
 
     def feature_problems(self, policy) -> dict[str, str | None]:
         note = " (the SGLang adapter was not verified against a running SGLang)"
@@ -84,5 +84,5 @@ class SGLangAdapter(EngineAdapter):
     def before_snapshot(self, policy) -> dict:
         return {}
 
-    def after_resume(self, policy) -> None:
+    def after_resume(self, policy, timeout: float = 120.0) -> None:
         return None

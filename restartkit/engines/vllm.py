@@ -73,8 +73,8 @@ class VLLMAdapter(EngineAdapter):
     def served_name(self, policy) -> str:
         return policy.service["model"]
 
-    def stats(self, policy) -> dict:
-        return {"version": http.get(self.base_url(policy) + "/version", timeout=10).get("version")}
+    def stats(self, policy, timeout: float = 10.0) -> dict:
+        return {"version": http.get(self.base_url(policy) + "/version", timeout=timeout).get("version")}
 
     # ---- features ------------------------------------------------------------
     def feature_problems(self, policy) -> dict[str, str | None]:
@@ -141,7 +141,7 @@ class VLLMAdapter(EngineAdapter):
     def before_snapshot(self, policy) -> dict:
         return {}
 
-    def after_resume(self, policy) -> None:
+    def after_resume(self, policy, timeout: float = 120.0) -> None:
         return None
 
 

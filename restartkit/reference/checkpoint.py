@@ -216,7 +216,12 @@ def iter_checkpoint(model_dir: str | Path, device: str = "cpu") -> Iterator[tupl
     from safetensors.torch import load_file
 
     for path in shard_files(model_dir):
-        yield from load_file(str(path), device=device).items()
+        tensors = load_file(str(path), device=device)
+        if device == "cpu":
+            # load_file maps the file copy-on-write: a page not yet copied would change under a
+            # running engine when someone writes the file in place.  The engine's weights are its own.
+            tensors = {name: t.clone() for name, t in tensors.items()}
+        yield from tensors.items()
 
 
 def checkpoint_bytes(model_dir: str | Path) -> int:

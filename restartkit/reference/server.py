@@ -276,8 +276,12 @@ class Handler(BaseHTTPRequestHandler):
         if max_tokens < 1:
             self._error(400, "max_tokens must be at least 1")
             return
+        from restartkit.reference.engine import EngineNotReady
         try:
             comp = st.engine.generate(ids, max_tokens, temperature, seed, want_logprobs=logprobs is not None and logprobs is not False)
+        except EngineNotReady as e:  # it went to sleep (or dropped its cache) after the check above
+            self._error(503, f"the engine is not ready: {e}", "unavailable")
+            return
         except ValueError as e:
             self._error(400, str(e))
             return

@@ -20,6 +20,10 @@ PYCRIU_DIRS = ["/opt/restartkit/criu/python"]
 # Deleted files a process still maps (shared-memory segments, semaphores) are
 # saved into the image; CRIU's default limit of 1 MB is too small for engines.
 GHOST_LIMIT, GHOST_LIMIT_BYTES = "1024M", 1 << 30
+# Established client connections (a service under load) are locked while dumped: through nftables,
+# whose library CRIU links (scripts/install-criu brings it); CRIU's default, iptables, needs the
+# iptables binary, which hosts often lack.
+NETWORK_LOCK, NETWORK_LOCK_RPC = "nftables", 2
 
 
 class CriuError(StrategyError):
@@ -63,7 +67,9 @@ class Criu:
         self.last_via = "pycriu RPC" if self.pycriu and not shm_files else "CLI"
         if self.pycriu and not shm_files:
             return self._rpc("dump", images, log, pid=pid, leave_running=leave_running)
-        args = ["dump", "--tree", str(pid)] + (["--leave-running"] if leave_running else [])
+        # --skip-in-flight: connections still in the listen queue (a client under load) are left
+        # out of the image instead of failing the dump; those clients see their connection cut
+        args = ["dump", "--tree", str(pid), "--skip-in-flight"] + (["--leave-running"] if leave_running else [])
         if shm_files:
             args += ["--action-script", str(_shm_script(images, shm_files))]
         self._cli(args, images, log)
@@ -82,14 +88,18 @@ class Criu:
         return int(pidfile.read_text().strip())
 
     def _common(self) -> list[str]:
-        flags = ["--tcp-established", "--ext-unix-sk", "--file-locks", "--link-remap", "--ghost-limit", GHOST_LIMIT, "-v4"]
+        flags = ["--tcp-established", "--ext-unix-sk", "--file-locks", "--link-remap", "--ghost-limit", GHOST_LIMIT,
+                 "--network-lock", NETWORK_LOCK, "-v4"]
         return flags + (["--shell-job"] if self.shell_job else [])
 
     def _cli(self, args: list[str], images: Path, log: Path, timeout_s: float = 3600, pids: list[int] = (),
              pass_fds: tuple[int, ...] = ()) -> None:
         cmd = [self.binary, *args, "-D", str(images), "-o", log.name, *self._common()]
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, pass_fds=pass_fds)
+            # its own session: a signal to restartkit's process group (Ctrl-C, `kill %1`) must not
+            # kill CRIU halfway through a restore; restartkit finishes the step, then exits
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, pass_fds=pass_fds,
+                               start_new_session=True)
         except OSError as e:
             raise CriuError(f"could not run {self.binary}: {e}") from None
         except subprocess.TimeoutExpired:
@@ -109,6 +119,7 @@ class Criu:
             c.opts.log_file = log.name
             c.opts.log_level = 4
             c.opts.tcp_established = True
+            c.opts.network_lock = NETWORK_LOCK_RPC
             c.opts.ext_unix_sk = True
             c.opts.file_locks = True
             c.opts.link_remap = True
@@ -117,6 +128,7 @@ class Criu:
             if op == "dump":
                 c.opts.pid = pid
                 c.opts.leave_running = leave_running
+                c.opts.tcp_skip_in_flight = True
                 c.dump()
                 return None
             resp = c.restore()

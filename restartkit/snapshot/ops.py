@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
-import signal
 import time
 from importlib import metadata
 from pathlib import Path
@@ -22,11 +21,12 @@ from typing import Callable
 
 from restartkit import __version__
 from restartkit.errors import StrategyError
+from restartkit.guard import check_interrupted
 from restartkit.snapshot.criu import Criu, CriuError, put_back_shm
 from restartkit.supervise import tree_pids
 from restartkit.snapshot.cudackpt import CudaCheckpoint, fd_targets, uses_cuda
 from restartkit.snapshot.store import Snapshot, SnapshotStore, dir_bytes
-from restartkit.supervise import EngineProcess, reap
+from restartkit.supervise import EngineProcess, kill_tree, reap
 
 ENV_PREFIXES = ("CUDA_", "NCCL_", "TORCH_", "PYTORCH_", "VLLM_", "SGLANG_", "OMP_", "MKL_")
 
@@ -102,10 +102,6 @@ def dump_blockers(pids: list[int]) -> list[str]:
     return out
 
 
-class _Interrupted(Exception):
-    pass
-
-
 def create(service, facts, leave_running: bool = True, progress: Callable[[str], None] = lambda _m: None,
            make_current: bool = True) -> Snapshot:
     proc = service.current()
@@ -123,12 +119,15 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
     gpu = any(uses_cuda(p) for p in pids)
     cuda = CudaCheckpoint() if gpu else None
     images = store.new_dir()
+    service.intent.update(images=str(images))  # a create killed halfway leaves it: the next command removes it
     phases: dict[str, float] = {}
-    # SIGTERM while we hold the engine half-parked: finish putting it back first.
-    old = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(_Interrupted()))
+    # The command's guard defers SIGTERM/SIGHUP/SIGINT until the engine is put back; a SIGKILL
+    # leaves the intent saying the KV cache was dropped, and the next command gives it back.
     checkpointed = kv_dropped = dumped = False
     try:
+        check_interrupted(service, "the snapshot was not taken; the engine keeps serving")
         t = time.monotonic()
+        service.intent.update(kv_dropped=True)
         shrunk = adapter.before_snapshot(pol)
         kv_dropped = True
         phases["drop_kv_cache"] = round(time.monotonic() - t, 3)
@@ -140,6 +139,7 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
                 cuda.checkpoint(p)
             checkpointed = True
             phases["cuda_checkpoint"] = round(time.monotonic() - t, 3)
+        check_interrupted(service, "the snapshot was not taken; the engine keeps serving")
         progress(f"dumping PID {proc.pid} ({len(pids)} processes) with CRIU into {images}")
         t = time.monotonic()
         crit.dump(proc.pid, images, leave_running=leave_running, shm_files=shm_files(pids))
@@ -150,8 +150,6 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
             _put_back(service, pids, cuda if checkpointed else None, kv_dropped)
         _discard(images, service)
         raise
-    finally:
-        signal.signal(signal.SIGTERM, old)
     if leave_running:
         t = time.monotonic()
         try:
@@ -162,6 +160,7 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
                                 hint=f"check it with `restartkit status --policy {service.policy.path}`; "
                                      "the previous snapshot stays current") from None
         phases["resume"] = round(time.monotonic() - t, 3)
+        service.intent.update(kv_dropped=False)
     else:
         service.pidfile.unlink(missing_ok=True)
     manifest = {
@@ -212,6 +211,7 @@ def _put_back(service, pids: list[int], cuda: CudaCheckpoint | None, kv_dropped:
             cuda.unlock(p)
     if kv_dropped:
         service.adapter.after_resume(service.policy)
+        service.intent.update(kv_dropped=False)
 
 
 def image_sizes(images: Path) -> dict[str, int]:
@@ -242,10 +242,20 @@ def wait_pids_free(pids: list[int], deadline_s: float, sleep=time.sleep) -> list
         sleep(0.05)
 
 
+def snapshot_fault(e: Exception) -> Exception:
+    """Mark an error as the snapshot's own (its images do not restore): the snapshot becomes suspect."""
+    e.snapshot_fault = True
+    return e
+
+
 def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict]:
     """Restore `snap` as the service's engine; returns the process and phases.
     Raises StrategyError (CriuError with the log tail) on any failure; the
-    caller kills what is left and runs recovery."""
+    caller kills what is left and runs recovery.  Only a failure of the images
+    themselves carries `snapshot_fault`: a host that does not match, PIDs or a
+    port taken by others, a restored engine killed or stopped by someone else
+    say nothing about the snapshot.  One deadline, [restart] start_timeout_s,
+    bounds everything after CRIU's own restore (KV cache back, readiness)."""
     phases: dict[str, float] = {}
     miss = mismatches(snap.manifest["identity"], identity(service, facts))
     if miss:
@@ -257,15 +267,24 @@ def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict]:
         holders = ", ".join(f"{p} ({_name(p)})" for p in taken)
         raise StrategyError(f"the snapshot's PIDs are taken: {holders}",
                             hint="CRIU restores processes under their old PIDs; they stayed taken past [criu] pid_wait_s")
+    if holder := service.port_holder():
+        raise StrategyError(f"port {service.policy.service['port']} is already in use by {holder}; "
+                            "the restored engine could not listen there",
+                            hint=f"stop that process, or set another [service] port in {service.policy.path}")
     damaged = image_damage(snap)
     if damaged:
-        raise StrategyError("the snapshot's images are damaged: " + "; ".join(damaged))
+        raise snapshot_fault(StrategyError("the snapshot's images are damaged: " + "; ".join(damaged)))
     crit = Criu(facts.host.criu.path)
     t = time.monotonic()
     put_back_shm(snap.path)
-    pid = crit.restore(snap.path, service.policy.criu["restore_timeout_s"], snap.manifest["tree_pids"])
+    service.intent.update(pids=snap.manifest["tree_pids"])
+    try:
+        pid = crit.restore(snap.path, service.policy.criu["restore_timeout_s"], snap.manifest["tree_pids"])
+    except CriuError as e:
+        raise (e if e.message.startswith("could not run") else snapshot_fault(e))
     phases["criu_restore"] = round(time.monotonic() - t, 3)
     proc = service.adopt(pid, "criu")
+    deadline = time.monotonic() + service.policy.restart["start_timeout_s"]
     try:
         if snap.manifest.get("gpu"):
             t = time.monotonic()
@@ -275,24 +294,21 @@ def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict]:
                 cuda.unlock(p)
             phases["cuda_restore"] = round(time.monotonic() - t, 3)
         t = time.monotonic()
-        service.adapter.after_resume(service.policy)
+        try:
+            service.adapter.after_resume(service.policy, timeout=max(1.0, deadline - time.monotonic()))
+        except Exception as e:
+            raise StrategyError(f"the restored engine (PID {pid}) did not take its KV cache back: {e}") from None
         phases["kv_cache_restore"] = round(time.monotonic() - t, 3)
         t = time.monotonic()
-        proc.wait_ready(lambda: service.adapter.probe(service.policy), service.policy.restart["start_timeout_s"])
+        remaining = max(1.0, deadline - time.monotonic())
+        proc.wait_ready(lambda: service.adapter.probe(service.policy, timeout=min(30.0, remaining)), remaining)
         phases["ready"] = round(time.monotonic() - t, 3)
     except BaseException:
         kill_tree(pid)
+        service.pidfile.unlink(missing_ok=True)
         raise
     service.mark_ready(proc, "criu")
     return proc, phases
-
-
-def kill_tree(pid: int) -> None:
-    for p in reversed(tree_pids(pid)):
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _name(pid: int) -> str:

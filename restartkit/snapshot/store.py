@@ -94,6 +94,11 @@ class SnapshotStore:
         snap.manifest["suspect"] = {"reason": reason, "at": time.time()}
         self.save(snap)
 
+    def clear_suspect(self, snap: Snapshot) -> None:
+        if snap.manifest.pop("suspect", None) is not None:
+            snap.manifest["suspect_cleared"] = {"at": time.time()}
+            self.save(snap)
+
     def save(self, snap: Snapshot) -> None:
         """Write back a snapshot's manifest after a change to it (atomic)."""
         write_json(snap.path / MANIFEST, snap.manifest)

@@ -5,7 +5,7 @@ checkpoint = sha256 over, for every shard in order: its file name, its raw
 safetensors header (names, dtypes, shapes, offsets) and the sha256 of its
 whole contents.  Header-only hashes let two fine-tunes with the same layout
 collide; the content digest does not.  Content digests are cached by (path,
-size, mtime, inode) in the user's cache directory, so the cost is paid once
+size, mtime, inode, ctime) in the user's cache directory, so the cost is paid once
 per checkpoint file.  The device UUID is checked on its own, not here.
 """
 from __future__ import annotations
@@ -36,7 +36,9 @@ def _header(path: Path) -> bytes:
 
 def content_digest(path: Path, cache: dict | None = None) -> str:
     st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    # ctime too: a copy over the file in place with its mtime kept (`cp -p`, `rsync --inplace -t`)
+    # keeps size, mtime and inode, but no user-space call can set ctime back
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}"
     if cache is not None and key in cache:
         return cache[key]
     with open(path, "rb") as f:

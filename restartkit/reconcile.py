@@ -1,0 +1,152 @@
+"""Finish what a killed restartkit left behind.
+
+A command that held the service's lock writes intent.json before it starts
+or changes an engine.  Found by the next command (which holds the lock now),
+it means that command died halfway.  The engines it may have left are the
+recorded engine (engine.json) and the processes the intent names that were
+created after the dead command started (a PID reused since is older than
+that, or not a child of it).  For each, in that order: give it its KV cache
+back if the dead command had taken it (a snapshot or a restore), then adopt
+it if it answers and passes the canary; stop the rest.  When nothing serves
+and the dead command was to leave the service serving, start it cold.
+The interrupted restart gets its record in history.jsonl.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from restartkit.guard import Intent, proc_start_ticks
+from restartkit.supervise import EngineProcess, kill_tree, tree_pids
+
+# commands after which the service was meant to serve
+SERVING_COMMANDS = {"restart", "start", "wake", "snapshot restore", "snapshot create", "snapshot refresh", "rollout",
+                    "sleep"}
+
+
+def reconcile(service, say: Callable[[str], None], recover: bool = True) -> dict | None:
+    """Returns what was done, or None when there was nothing to reconcile."""
+    intent = Intent(service.state_dir)
+    stale = intent.read_stale()
+    if stale is None:
+        return None
+    command = stale.get("command", "?")
+    say(f"{service.policy.name}: an interrupted `restartkit {command}` (PID {stale.get('pid')}) left work unfinished; "
+        "reconciling")
+    adopted, stopped = None, []
+    for pid in candidates(service, stale):
+        _continue_if_stopped(pid, say)
+        if adopted is None and _try_adopt(service, pid, stale, say):
+            adopted = pid
+            continue
+        kill_tree(pid)
+        stopped.append(pid)
+    if stopped:
+        _wait_gone(stopped, service.policy.restart["stop_timeout_s"])
+        say(f"{service.policy.name}: stopped {', '.join(map(str, stopped))} (left by the interrupted command, "
+            "not serving or not passing the canary)")
+    if adopted is None:
+        service.pidfile.unlink(missing_ok=True)
+    _discard_partial_images(stale, say)
+    result = {"command": command, "adopted": adopted, "stopped": stopped, "started": None}
+    if adopted is None and recover and command in SERVING_COMMANDS and stale.get("was_serving", True):
+        say(f"{service.policy.name}: nothing serves; recovering with a cold start")
+        started = service.start_engine("cold")
+        service.canary()
+        result["started"] = started.process.pid
+    intent.clear()
+    _record(service, stale, result)
+    return result
+
+
+def candidates(service, stale: dict) -> list[int]:
+    """Live engines the dead command may have left: the recorded one first."""
+    out = []
+    proc = service.current()
+    if proc is not None:
+        out.append(proc.pid)
+    since = stale.get("start_ticks") or 0
+    for pid in stale.get("pids", []):
+        ticks = proc_start_ticks(pid)
+        if ticks is not None and ticks >= since and pid not in out:
+            out.append(pid)
+    return out
+
+
+def _continue_if_stopped(pid: int, say) -> None:
+    """A CRIU killed while it held the tree frozen (a dump) leaves it stopped: let it run again."""
+    import os
+    import signal
+    from restartkit.supervise import proc_state
+    stopped = [p for p in tree_pids(pid) if proc_state(p) in ("T", "t")]
+    for p in stopped:
+        try:
+            os.kill(p, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    if stopped:
+        say(f"PID {pid}: {len(stopped)} stopped process(es) continued (left frozen by an interrupted CRIU)")
+        time.sleep(0.2)
+
+
+def _try_adopt(service, pid: int, stale: dict, say) -> bool:
+    adapter, policy = service.adapter, service.policy
+    if stale.get("kv_dropped") or stale.get("strategy") == "criu":
+        try:  # a restored engine, or one snapshotted, waits for its KV cache
+            adapter.after_resume(policy, timeout=10.0)
+        except Exception as e:
+            say(f"{policy.name}: PID {pid} did not take its KV cache back: {e}")
+    try:
+        adapter.probe(policy, timeout=10.0)
+        after = adapter.canary(policy)
+    except Exception as e:
+        say(f"{policy.name}: PID {pid} does not serve: {e}")
+        return False
+    baseline, _source = service.stored_canary()
+    if baseline is not None and baseline != after:
+        say(f"{policy.name}: PID {pid} serves a different canary; not adopted")
+        return False
+    proc = EngineProcess(pid=pid, start_ticks=proc_start_ticks(pid), log_path=service.log_path, seam=service.seam)
+    service.mark_ready(proc, stale.get("strategy") or "adopted")
+    say(f"{policy.name}: adopted PID {pid}: it serves and its canary is identical")
+    return True
+
+
+def _discard_partial_images(stale: dict, say) -> None:
+    """A snapshot directory the dead command was writing (no manifest: never complete)."""
+    import shutil
+    from pathlib import Path
+    from restartkit.snapshot.store import MANIFEST
+    images = Path(stale["images"]) if stale.get("images") else None
+    if images is not None and images.is_dir() and not (images / MANIFEST).exists():
+        shutil.rmtree(images, ignore_errors=True)
+        say(f"removed the unfinished snapshot {images}")
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> None:
+    from restartkit.supervise import reap
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for p in pids:
+            reap(p)
+        if not any(tree_pids(p) for p in pids):
+            return
+        time.sleep(0.05)
+
+
+def _record(service, stale: dict, result: dict) -> None:
+    from restartkit.record import Record
+    from restartkit.restart import write_record
+    rec = Record(service=service.policy.name, policy=service.policy.path, requested=stale.get("strategy") or "-",
+                 reason=stale.get("reason") or "restart", plan={})
+    rec.started_at = stale.get("started_at") or rec.started_at
+    rec.via_recovery = True
+    how = (f"adopted PID {result['adopted']}" if result["adopted"] else
+           f"cold start (PID {result['started']})" if result["started"] else "nothing started")
+    rec.recovery_reason = f"`restartkit {result['command']}` was interrupted; reconciled by the next command: {how}"
+    rec.attempts.append({"strategy": "reconcile", "role": "recovery", "ok": bool(result["adopted"] or result["started"]),
+                         "adopted": result["adopted"], "stopped": result["stopped"], "started": result["started"]})
+    if result["adopted"] or result["started"]:
+        rec.final_state, rec.served_by = "serving", "adopted engine" if result["adopted"] else "cold"
+    rec.finish(strict=False)
+    write_record(service, rec)
