@@ -251,7 +251,7 @@ def _reconcile_if_free(svc) -> None:
 
 @main.command()
 @policy_option
-@click.option("--last", type=int, default=10, show_default=True)
+@click.option("--last", type=click.IntRange(min=0), default=10, show_default=True, help="0: all.")
 @json_option
 @state_dir_option
 @friendly
@@ -269,22 +269,23 @@ def history(policy_path, last, as_json):
 @click.option("--policy", "policy_path", envvar="RESTARTKIT_POLICY", type=click.Path(dir_okay=False), default=None,
               help="Take the layout from a policy; flags below override it.")
 @click.option("--model", default=None)
-@click.option("--tensor-parallel-size", type=int, default=None)
-@click.option("--data-parallel-size", type=int, default=None)
-@click.option("--data-parallel-start-rank", type=int, default=None)
+@click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=None)
+@click.option("--data-parallel-size", type=click.IntRange(min=1), default=None)
+@click.option("--data-parallel-start-rank", type=click.IntRange(min=0), default=None)
 @click.option("--enable-expert-parallel", is_flag=True, default=None)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
 @click.option("--quantization", type=click.Choice(["none", "int8"]), default=None)
-@click.option("--nnodes", type=int, default=None)
-@click.option("--node-rank", type=int, default=None)
+@click.option("--nnodes", type=click.IntRange(min=1), default=None)
+@click.option("--node-rank", type=click.IntRange(min=0), default=None)
 @click.option("--master-addr", default=None)
-@click.option("--weight-cache-master-port", type=int, default=None)
+@click.option("--weight-cache-master-port", type=click.IntRange(1, 65535), default=None)
 @click.option("--draft-model", default=None)
-@click.option("--health-port", type=int, default=None)
+@click.option("--health-port", type=click.IntRange(0, 65535), default=None)
 @click.option("--health-host", default=None, help="Default 127.0.0.1: never exposed unless you say so.")
 @click.option("--socket-dir", default=None)
-@click.option("--startup-timeout", type=float, default=None, help="Seconds for every local rank to be ready.")
+@click.option("--startup-timeout", type=click.FloatRange(min=0.1, max=7 * 86400), default=None,
+              help="Seconds for every local rank to be ready.")
 @click.option("--detach", is_flag=True, help="Run the launcher in the background; return once every rank is ready.")
 @click.option("--wait-ready", is_flag=True, help="Start nothing: wait until a running weight cache is ready.")
 @state_dir_option
@@ -326,7 +327,9 @@ def weightcache_status(policy_path, as_json):
     """Each rank's daemon: state, fingerprint, bytes, attached engines."""
     from restartkit.weightcache.client import daemon_stats
     stats = daemon_stats(load(policy_path).policy)
-    text = "\n".join(f"{d['device_uuid']}{' (draft)' if d.get('draft') else ''}: {d.get('state')}" + (f", {d.get('tensors')} tensors, {d.get('nbytes', 0) / 1e9:.3f} GB, attached {d.get('attached')}" if d.get("state") == "ready" else "") for d in stats)
+    text = "\n".join(f"{d['device_uuid']}{' (draft)' if d.get('draft') else ''}: {d.get('state')}"
+                     + (f", {d.get('tensors')} tensors, {d.get('nbytes', 0) / 1e9:.3f} GB, attached {d.get('attached')}"
+                        if d.get("state") == "ready" else f" ({d['error']})" if d.get("error") else "") for d in stats)
     emit({"daemons": stats}, as_json, text)
     sys.exit(EXIT_SERVING if all(d.get("state") == "ready" for d in stats) else EXIT_NOT_SERVING)
 
@@ -534,7 +537,7 @@ def snapshot_test(policy_path, snapshot_id, wait_s, as_json):
 
 @snapshot.command("prune")
 @policy_option
-@click.option("--keep", type=int, default=None, help="Default: [criu] keep.")
+@click.option("--keep", type=click.IntRange(min=1), default=None, help="Default: [criu] keep.")
 @wait_option
 @state_dir_option
 @friendly
@@ -551,7 +554,8 @@ def snapshot_prune(policy_path, keep, wait_s):
 @policy_option
 @click.option("--force", is_flag=True, help="Take a new snapshot even if the current one is fresh.")
 @click.option("--install-timer", is_flag=True, help="Write a systemd .service/.timer pair and print the crontab line.")
-@click.option("--unit-dir", default="/etc/systemd/system", show_default=True)
+@click.option("--unit-dir", default="/etc/systemd/system", show_default=True,
+              type=click.Path(file_okay=False, exists=True, writable=True))
 @wait_option
 @state_dir_option
 @friendly
@@ -590,11 +594,21 @@ def model():
 @click.option("--out", required=True, type=click.Path(file_okay=False))
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
-@click.option("--device", default="cpu", show_default=True, help="Where to generate the random weights (cuda is much faster for 8b-shape).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where to generate the random weights (cuda is much faster for 8b-shape).")
 @friendly
 def model_create(preset, out, seed, dtype, device):
     """Write deterministic seeded random weights for a preset."""
+    import os
+    from restartkit.errors import UsageError
     from restartkit.reference.checkpoint import write_checkpoint
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise UsageError(f"--out {out}: its parent directory {parent} does not exist", hint=f"mkdir -p {parent}")
+    if device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: this host has no usable CUDA device", hint="use --device cpu")
     path = write_checkpoint(out, preset, seed=seed, dtype=dtype, device=device, progress=say)
     click.echo(str(path))
 
@@ -634,7 +648,7 @@ def audit(path, engine, since, until, as_json):
 @main.command()
 @policy_option
 @click.option("--strategies", default="cold", show_default=True, help="Comma-separated strategies to compare.")
-@click.option("--repeat", type=int, default=3, show_default=True)
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Write bench.json (and bench.png with matplotlib) here.")
 @wait_option
 @json_option
@@ -643,7 +657,12 @@ def audit(path, engine, since, until, as_json):
 def bench(policy_path, strategies, repeat, out, wait_s, as_json):
     """Restart the same service with each strategy N times; compare time to ready."""
     from restartkit.bench import render_bench, run_bench
+    from restartkit.errors import UsageError
+    from restartkit.policy import STRATEGIES
     names = [s.strip() for s in strategies.split(",") if s.strip()]
+    if not names or (bad := [n for n in names if n not in STRATEGIES]):
+        raise UsageError(f"--strategies {strategies!r}: " + (f"unknown strategy {bad[0]!r}" if names else "names none"),
+                         hint=f"choose from: {', '.join(STRATEGIES)} (comma-separated)")
     svc = load(policy_path)
     with guarded(svc, "bench", wait_s, defer_signals=False):
         result = run_bench(svc, names, repeat, out, say=say)
@@ -652,7 +671,7 @@ def bench(policy_path, strategies, repeat, out, wait_s, as_json):
 
 @main.command()
 @click.option("--workdir", default="~/.cache/restartkit/demo", show_default=True, type=click.Path(file_okay=False))
-@click.option("--repeat", type=int, default=2, show_default=True)
+@click.option("--repeat", type=click.IntRange(min=1), default=2, show_default=True)
 @friendly
 def demo(workdir, repeat):
     """The main job on the embedded reference model, end to end on this machine."""

@@ -6,6 +6,8 @@ touched; an error names the file, the key, the bad value and what is allowed.
 """
 from __future__ import annotations
 
+import ipaddress
+import math
 import os
 import re
 import tomllib
@@ -17,7 +19,15 @@ from restartkit.errors import PolicyError
 
 STRATEGIES = ("sleep", "ipc", "criu", "cold")
 ENGINES = ("reference", "vllm", "sglang", "command")
-HEX40 = re.compile(r"^[0-9a-f]{40}$")
+HEX40 = re.compile(r"[0-9a-f]{40}")
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})")
+# systemd OnCalendar=: the shorthands, or an expression of its own characters (no line breaks, no '=')
+CALENDAR_WORDS = ("minutely", "hourly", "daily", "weekly", "monthly", "yearly", "annually", "quarterly",
+                  "semiannually")
+CALENDAR = re.compile(r"[A-Za-z0-9*:,./~ +-]{1,100}")
+MAX_SECONDS = 7 * 24 * 3600.0
+MIN_SECONDS = 0.01
 
 
 @dataclass(frozen=True)
@@ -29,16 +39,97 @@ class Key:
     check: Any = None  # callable(value) -> problem or None
 
 
+def show(v, limit: int = 80) -> str:
+    """A value for an error message: its repr, cut to `limit` characters."""
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit] + f"... ({len(r)} characters)"
+
+
 def _positive(v):
-    return None if v > 0 else "must be greater than 0"
+    return None if 0 < v <= 2**31 else "must be greater than 0 (and at most 2**31)"
+
+
+def _non_negative(v):
+    return None if 0 <= v <= 2**31 else "must be 0 or more"
+
+
+def _seconds(v):
+    if not math.isfinite(v) or not MIN_SECONDS <= v <= MAX_SECONDS:
+        return f"must be a number of seconds from {MIN_SECONDS} to {MAX_SECONDS:.0f} (7 days)"
+    return None
+
+
+def _hours(v):
+    return None if math.isfinite(v) and 0 < v <= 24 * 366 else "must be a number of hours above 0, at most a year"
+
+
+def _fraction(v):
+    return None if math.isfinite(v) and 0 < v <= 1 else "must be a fraction above 0, at most 1"
 
 
 def _port(v):
     return None if 0 < v < 65536 else "must be a TCP port (1..65535)"
 
 
+def _port_or_zero(v):
+    return None if 0 <= v < 65536 else "must be a TCP port (1..65535), or 0 for none"
+
+
 def _revision(v):
-    return None if v == "" or HEX40.match(v) else "must be a 40-character lowercase hex commit id (or empty)"
+    return None if v == "" or HEX40.fullmatch(v) else "must be a 40-character lowercase hex commit id (or empty)"
+
+
+def _name(v):
+    if not NAME.fullmatch(v):
+        return ("must be 1-64 letters, digits, '.', '_' or '-', not starting with '.' or '-' "
+                "(it names the state directory and the metrics' labels)")
+    return None
+
+
+def _host(v):
+    try:
+        ipaddress.ip_address(v)
+        return None
+    except ValueError:
+        pass
+    return None if HOSTNAME.fullmatch(v) else "must be an IP address or a host name"
+
+
+def _path(v):
+    return "must not hold control characters (line breaks, tabs, NUL)" if any(ord(c) < 32 or c == "\x7f" for c in v) else None
+
+
+def _argv(v):
+    if not all(isinstance(a, str) for a in v):
+        return "must be a list of strings"
+    if any("\0" in a for a in v):
+        return "must not hold NUL characters"
+    return None
+
+
+def _canary(v):
+    if not v:
+        return "must hold at least one prompt: an empty canary proves nothing"
+    if len(v) > 32 or not all(isinstance(a, str) and a.strip() and "\0" not in a for a in v):
+        return "must be 1-32 non-empty strings"
+    return None
+
+
+def _env(v):
+    for k, val in v.items():
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            return f"{show(k)} is not an environment variable name"
+        if not isinstance(val, str) or "\0" in val:
+            return f"{k} must be a string (write numbers in quotes: {k} = \"{val}\")" if not isinstance(val, str) \
+                else f"{k} must not hold NUL characters"
+    return None
+
+
+def _calendar(v):
+    if v in CALENDAR_WORDS or CALENDAR.fullmatch(v) and v.strip() == v:
+        return None
+    return (f"must be a systemd calendar expression on one line ({', '.join(CALENDAR_WORDS[:5])}, ... or like "
+            "'*-*-* 03:00:00')")
 
 
 def _strategy_list(v):
@@ -54,11 +145,12 @@ def _strategy_list(v):
 
 SCHEMA: dict[str, dict[str, Key]] = {
     "service": {
-        "name": Key(str, None, doc="service name; names the state directory", check=lambda v: None if re.match(r"^[A-Za-z0-9_.-]+$", v) else "may hold only letters, digits, '.', '_' and '-'"),
+        "name": Key(str, None, doc="service name; names the state directory", check=_name),
         "engine": Key(str, "reference", ENGINES, "engine adapter"),
-        "model": Key(str, None, doc="checkpoint directory (or hub id for vllm/sglang); ~ and $VARS are expanded"),
+        "model": Key(str, None, doc="checkpoint directory (or hub id for vllm/sglang); ~ and $VARS are expanded",
+                     check=_path),
         "revision": Key(str, "", doc="pinned 40-hex revision", check=_revision),
-        "host": Key(str, "127.0.0.1"),
+        "host": Key(str, "127.0.0.1", check=_host),
         "port": Key(int, 8000, check=_port),
         "device": Key(str, "cpu", ("cpu", "cuda")),
         "dtype": Key(str, "auto", ("auto", "float32", "bfloat16", "float16")),
@@ -69,18 +161,19 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "quantization": Key(str, "none", ("none", "int8"), "weight-only quantization applied at load (processed weights)"),
         "max_model_len": Key(int, 1024, check=_positive),
         "draft_model": Key(str, "", doc="a draft checkpoint (reference engine): greedy requests decode "
-                                         "speculatively with it, and the weight cache serves it in its own group"),
+                                         "speculatively with it, and the weight cache serves it in its own group",
+                           check=_path),
         "num_speculative_tokens": Key(int, 3, check=_positive, doc="draft tokens proposed per round"),
-        "engine_args": Key(list, [], doc="extra command-line arguments for the engine"),
-        "env": Key(dict, {}, doc="extra environment for the engine"),
-        "command": Key(list, [], doc="argv of the engine (engine = 'command' only)"),
-        "state_dir": Key(str, "", doc="default: $RESTARTKIT_STATE_DIR or ~/.local/state/restartkit"),
+        "engine_args": Key(list, [], doc="extra command-line arguments for the engine", check=_argv),
+        "env": Key(dict, {}, doc="extra environment for the engine (string values)", check=_env),
+        "command": Key(list, [], doc="argv of the engine (engine = 'command' only)", check=_argv),
+        "state_dir": Key(str, "", doc="default: $RESTARTKIT_STATE_DIR or ~/.local/state/restartkit", check=_path),
     },
     "restart": {
         "strategies": Key(list, ["auto"], doc="'auto' or strategies in preference order", check=_strategy_list),
-        "start_timeout_s": Key((int, float), 300.0, check=_positive),
-        "stop_timeout_s": Key((int, float), 30.0, check=_positive),
-        "canary_prompts": Key(list, ["The quick brown fox", "Restarting an inference server"]),
+        "start_timeout_s": Key((int, float), 300.0, check=_seconds),
+        "stop_timeout_s": Key((int, float), 30.0, check=_seconds),
+        "canary_prompts": Key(list, ["The quick brown fox", "Restarting an inference server"], check=_canary),
         "canary_max_tokens": Key(int, 16, check=_positive),
         "overlap": Key(bool, False, doc="ipc restarts prepare the new engine while the old one serves (reference engine)"),
         "overlap_mode": Key(str, "auto", ("auto", "serve_beside", "prestart"),
@@ -92,33 +185,35 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "ipc": {
         "mode": Key(str, "zero_copy", ("zero_copy", "copy")),
         "fallback": Key(bool, True),
-        "connect_timeout_s": Key((int, float), 5.0, check=_positive),
-        "state_timeout_s": Key((int, float), 300.0, check=_positive),
-        "socket_dir": Key(str, "", doc="default: $TMPDIR/restartkit-wc-<uid>"),
-        "health_host": Key(str, "127.0.0.1"),
-        "health_port": Key(int, 0, doc="0: no health endpoint"),
-        "startup_timeout_s": Key((int, float), 900.0, check=_positive),
-        "data_parallel_start_rank": Key(int, 0),
+        "connect_timeout_s": Key((int, float), 5.0, check=_seconds),
+        "state_timeout_s": Key((int, float), 300.0, check=_seconds),
+        "socket_dir": Key(str, "", doc="default: $TMPDIR/restartkit-wc-<uid>", check=_path),
+        "health_host": Key(str, "127.0.0.1", check=_host),
+        "health_port": Key(int, 0, doc="0: no health endpoint", check=_port_or_zero),
+        "startup_timeout_s": Key((int, float), 900.0, check=_seconds),
+        "data_parallel_start_rank": Key(int, 0, check=_non_negative),
         "nnodes": Key(int, 1, check=_positive),
-        "node_rank": Key(int, 0),
-        "master_addr": Key(str, "127.0.0.1"),
+        "node_rank": Key(int, 0, check=_non_negative),
+        "master_addr": Key(str, "127.0.0.1", check=_host),
         "weight_cache_master_port": Key(int, 29650, check=_port),
         "engine_master_port": Key(int, 29500, check=_port),
     },
     "criu": {
-        "images_dir": Key(str, "", doc="default: <state dir>/snapshots"),
+        "images_dir": Key(str, "", doc="default: <state dir>/snapshots", check=_path),
         "keep": Key(int, 2, check=_positive),
-        "max_age_h": Key((int, float), 24.0, check=_positive),
-        "refresh": Key(str, "daily", doc="systemd OnCalendar= expression for the refresh timer"),
-        "criu_path": Key(str, ""),
+        "max_age_h": Key((int, float), 24.0, check=_hours),
+        "refresh": Key(str, "daily", doc="systemd OnCalendar= expression for the refresh timer", check=_calendar),
+        "criu_path": Key(str, "", check=_path),
+        "refuse_secrets": Key(bool, False, doc="snapshot create refuses (instead of warning) when the engine's "
+                                               "environment or arguments carry a key, token or password"),
         "test_restore": Key(bool, False, doc="refresh makes a new snapshot current only after a test restore beside the engine passed (restartkit snapshot test; CPU snapshots)"),
-        "pid_wait_s": Key((int, float), 10.0, check=_positive),
-        "restore_timeout_s": Key((int, float), 600.0, check=_positive),
+        "pid_wait_s": Key((int, float), 10.0, check=_seconds),
+        "restore_timeout_s": Key((int, float), 600.0, check=_seconds),
     },
     "sleep": {
         "enabled": Key(bool, False, doc="start the engine with sleep mode (needed by the sleep strategy)"),
         "level": Key(int, 1, (1, 2)),
-        "min_freed_fraction": Key((int, float), 0.5, check=_positive,
+        "min_freed_fraction": Key((int, float), 0.5, check=_fraction,
                                   doc="sleep must free at least this share of weights + KV cache, or it failed"),
     },
 }
@@ -202,18 +297,19 @@ def parse_policy(data: dict, path: str = "<policy>") -> Policy:
             types = spec.type if isinstance(spec.type, tuple) else (spec.type,)
             # bool is an int in Python; a policy that says `port = true` is wrong.
             if isinstance(v, bool) and bool not in types or not isinstance(v, types):
-                raise PolicyError(path, where, f"is {v!r} ({type(v).__name__})", f"must be {_typename(spec.type)}")
+                raise PolicyError(path, where, f"is {show(v)} ({type(v).__name__})", f"must be {_typename(spec.type)}")
             if spec.allowed is not None and v not in spec.allowed:
-                raise PolicyError(path, where, f"is {v!r}", f"allowed: {', '.join(map(str, spec.allowed))}")
+                raise PolicyError(path, where, f"is {show(v)}", f"allowed: {', '.join(map(str, spec.allowed))}")
             if spec.check is not None and (problem := spec.check(v)):
-                raise PolicyError(path, where, f"is {v!r}: {problem}", spec.doc or None)
+                raise PolicyError(path, where, f"is {show(v)}: {problem}", spec.doc or None)
             out[k] = float(v) if spec.type == (int, float) else v
         sections[sec] = out
     svc = sections["service"]
     if svc["engine"] == "command" and not svc["command"]:
         raise PolicyError(path, "service.command", "is required when engine = 'command'", "give the engine's argv as a list")
-    if not all(isinstance(a, str) for a in svc["engine_args"]):
-        raise PolicyError(path, "service.engine_args", "must be a list of strings", None)
+    ipc = sections["ipc"]
+    if ipc["node_rank"] >= ipc["nnodes"]:
+        raise PolicyError(path, "ipc.node_rank", f"is {ipc['node_rank']}: must be below [ipc] nnodes ({ipc['nnodes']})")
     svc["model"] = expand(svc["model"]) if svc["engine"] == "reference" else svc["model"]
     if svc["draft_model"]:
         if svc["engine"] != "reference":
@@ -233,7 +329,11 @@ def load_policy(path: str | os.PathLike) -> Policy:
     try:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
-        raise PolicyError(p, "", f"is not valid TOML: {e}", "fix the syntax at the line and column named") from e
-    except UnicodeDecodeError as e:
-        raise PolicyError(p, "", "is not UTF-8 text", None) from e
+        raise PolicyError(p, "", f"is not valid TOML: {show(str(e), 200)}", "fix the syntax at the line and column named") from None
+    except UnicodeDecodeError:
+        raise PolicyError(p, "", "is not UTF-8 text", None) from None
+    except RecursionError:
+        raise PolicyError(p, "", "nests arrays or tables too deeply to read", "a policy needs two levels at most") from None
+    except OSError as e:
+        raise PolicyError(p, "", f"cannot be read: {e.strerror}", None) from None
     return parse_policy(data, str(p))

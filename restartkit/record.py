@@ -97,32 +97,21 @@ def update_metrics(state_dir: Path, record: Record) -> Path:
     os.replace(tmp, counters_path)
 
     svc = record.service
-    lines = ["# HELP restartkit_restart_total Restarts by first strategy tried and outcome (ok, recovered, failed).",
-             "# TYPE restartkit_restart_total counter"]
-    for k, n in sorted(c["restarts"].items()):
-        strat, out = k.split("|")
-        lines.append(f'restartkit_restart_total{{service="{svc}",strategy="{strat}",outcome="{out}"}} {n}')
-    lines += ["# HELP restartkit_fallback_total Restarts that ended on a recovery path, by the strategy that failed.",
-              "# TYPE restartkit_fallback_total counter"]
-    for strat, n in sorted(c["fallbacks"].items()):
-        lines.append(f'restartkit_fallback_total{{service="{svc}",strategy="{strat}"}} {n}')
-    lines += ["# HELP restartkit_ipc_attach_total Engine starts through the weight cache, by result (hit or fallback).",
-              "# TYPE restartkit_ipc_attach_total counter"]
-    for result, n in sorted(c["ipc"].items()):
-        lines.append(f'restartkit_ipc_attach_total{{service="{svc}",result="{result}"}} {n}')
-    lines += ["# HELP restartkit_time_to_ready_seconds Time to ready of the last restart served by each strategy.",
-              "# TYPE restartkit_time_to_ready_seconds gauge"]
-    for strat, v in sorted(c["time_to_ready"].items()):
-        lines.append(f'restartkit_time_to_ready_seconds{{service="{svc}",strategy="{strat}"}} {v}')
-    lines += ["# HELP restartkit_downtime_seconds Longest gap between answered client requests during the last "
-              "restart served by each strategy (measured when the restart measures downtime, always when overlapped).",
-              "# TYPE restartkit_downtime_seconds gauge"]
-    for strat, v in sorted(c.get("downtime", {}).items()):
-        lines.append(f'restartkit_downtime_seconds{{service="{svc}",strategy="{strat}"}} {v}')
+    families = [
+        _family("counter", "restartkit_restart", "Restarts by first strategy tried and outcome (ok, recovered, failed).",
+                ["strategy", "outcome"], {tuple(k.split("|")): n for k, n in c["restarts"].items()}, svc),
+        _family("counter", "restartkit_fallback", "Restarts that ended on a recovery path, by the strategy that failed.",
+                ["strategy"], {(k,): n for k, n in c["fallbacks"].items()}, svc),
+        _family("counter", "restartkit_ipc_attach", "Engine starts through the weight cache, by result (hit or fallback).",
+                ["result"], {(k,): n for k, n in c["ipc"].items()}, svc),
+        _family("gauge", "restartkit_time_to_ready_seconds", "Time to ready of the last restart served by each strategy.",
+                ["strategy"], {(k,): v for k, v in c["time_to_ready"].items()}, svc),
+        _family("gauge", "restartkit_downtime_seconds", "Longest gap between answered client requests during the last "
+                "restart served by each strategy (measured when the restart measures downtime, always when overlapped).",
+                ["strategy"], {(k,): v for k, v in c.get("downtime", {}).items()}, svc),
+    ]
     prom = state_dir / "metrics.prom"
-    tmp = prom.with_suffix(".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, prom)
+    write_textfile(prom, families)
     return prom
 
 
@@ -143,28 +132,47 @@ def write_snapshot_metrics(state_dir: Path, service: str, store, refresh: str | 
     cur = store.current()
     snaps = store.list()
     tested = (cur.manifest.get("tested") or {}) if cur else {}
-    lab = f'service="{service}"'
-    lines = [
-        "# HELP restartkit_snapshot_current_created_timestamp_seconds When the current snapshot was taken.",
-        "# TYPE restartkit_snapshot_current_created_timestamp_seconds gauge",
-        f"restartkit_snapshot_current_created_timestamp_seconds{{{lab}}} {cur.manifest.get('created_at', 0) if cur else 0}",
-        "# HELP restartkit_snapshot_current_test_passed 1 when the current snapshot passed a test restore, else 0.",
-        "# TYPE restartkit_snapshot_current_test_passed gauge",
-        f"restartkit_snapshot_current_test_passed{{{lab}}} {1 if tested.get('ok') else 0}",
-        "# HELP restartkit_snapshot_suspect Snapshots on disk marked suspect (a failed restore or test).",
-        "# TYPE restartkit_snapshot_suspect gauge",
-        f"restartkit_snapshot_suspect{{{lab}}} {sum(1 for s in snaps if s.suspect)}",
+    families = [
+        _family("gauge", "restartkit_snapshot_current_created_timestamp_seconds", "When the current snapshot was taken.",
+                [], {(): cur.manifest.get("created_at", 0) if cur else 0}, service),
+        _family("gauge", "restartkit_snapshot_current_test_passed",
+                "1 when the current snapshot passed a test restore, else 0.", [], {(): 1 if tested.get("ok") else 0}, service),
+        _family("gauge", "restartkit_snapshot_suspect", "Snapshots on disk marked suspect (a failed restore or test).",
+                [], {(): sum(1 for s in snaps if s.suspect)}, service),
     ]
     if last:
-        lines += ["# HELP restartkit_snapshot_refresh_ok 1 when the last snapshot refresh succeeded, else 0.",
-                  "# TYPE restartkit_snapshot_refresh_ok gauge",
-                  f"restartkit_snapshot_refresh_ok{{{lab}}} {1 if last['outcome'] == 'ok' else 0}",
-                  "# HELP restartkit_snapshot_refresh_timestamp_seconds When the last snapshot refresh ended.",
-                  "# TYPE restartkit_snapshot_refresh_timestamp_seconds gauge",
-                  f"restartkit_snapshot_refresh_timestamp_seconds{{{lab}}} {last['at']}"]
+        families += [
+            _family("gauge", "restartkit_snapshot_refresh_ok", "1 when the last snapshot refresh succeeded, else 0.",
+                    [], {(): 1 if last["outcome"] == "ok" else 0}, service),
+            _family("gauge", "restartkit_snapshot_refresh_timestamp_seconds", "When the last snapshot refresh ended.",
+                    [], {(): last["at"]}, service)]
     state_dir.mkdir(parents=True, exist_ok=True)
     prom = state_dir / "snapshot.prom"
-    tmp = prom.with_suffix(".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, prom)
+    write_textfile(prom, families)
     return prom
+
+
+def _family(kind: str, name: str, doc: str, labels: list[str], values: dict[tuple, float], service: str):
+    """One metric family with the service label first; label values are escaped by prometheus-client."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+    fam = cls(name, doc, labels=["service", *labels])
+    for key, v in sorted(values.items()):
+        fam.add_metric([service, *key], v)
+    return fam
+
+
+class _Families:
+    def __init__(self, families):
+        self.families = families
+
+    def collect(self):
+        return iter(self.families)
+
+
+def write_textfile(path: Path, families) -> None:
+    """Prometheus text format for the node exporter's textfile collector, written atomically."""
+    from prometheus_client import CollectorRegistry, write_to_textfile
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families))
+    write_to_textfile(str(path), registry)

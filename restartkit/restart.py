@@ -71,6 +71,10 @@ def plan_for(service: Service, requested: str, reason: str) -> tuple[Plan, Facts
     plan = make_plan(facts, service.policy, requested, all_strategies())
     if service.adapter is not None:
         plan.notes.extend(service.adapter.plan_notes(service.policy))
+    host = service.policy.service["host"]
+    if host not in ("127.0.0.1", "::1", "localhost") and not host.startswith("127."):
+        plan.notes.append(f"[service] host binds {host}: other hosts reach the completions; the admin and sleep "
+                          "endpoints of the reference engine answer loopback only")
     if service.policy.restart["overlap"]:
         why_not = overlap_problem(service.policy)
         plan.notes.append("overlap: ipc restarts prepare the new engine beside the old one" if why_not is None

@@ -256,7 +256,9 @@ class Service:
             ready_r, ready_w = os.pipe()
             env["RESTARTKIT_READY_FD"] = str(ready_w)
         try:
-            with open(self.log_path, "ab") as log:
+            fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            os.fchmod(fd, 0o600)  # the engine's argv and output: not for other users
+            with open(fd, "ab") as log:
                 log_offset = log.tell()
                 log.write(f"\n==== {time.strftime('%Y-%m-%dT%H:%M:%S')} restartkit start ({strategy}): {' '.join(spec.argv)}\n".encode())
                 log.flush()

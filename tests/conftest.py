@@ -61,3 +61,13 @@ def service_cleanup():
     yield policies.append
     for p in policies:
         run_cli("stop", "--policy", p)
+
+
+def prom_sample(text: str, name: str, **labels) -> float | None:
+    """The value of the sample `name` with exactly these labels in Prometheus text, or None."""
+    from prometheus_client.parser import text_string_to_metric_families
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and s.labels == labels:
+                return s.value
+    return None

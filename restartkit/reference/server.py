@@ -148,10 +148,13 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 self._send(200, {"is_sleeping": st.sleeper.asleep, "level": st.sleeper.level})
         elif path == "/v1/models":
+            if not self._serving():  # clients take a model list as "ready": not before a completion would work
+                return
             self._send(200, {"object": "list", "data": [
                 {"id": st.model_name, "object": "model", "created": int(st.started_at), "owned_by": "restartkit"}]})
         elif path == "/admin/stats":
-            self._send(200, self._stats())
+            if self._local_only():
+                self._send(200, self._stats())
         else:
             self._error(404, f"no route {path}")
 
@@ -166,6 +169,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._completions(body)
             elif path in ("/sleep", "/wake_up"):
                 self._sleep_or_wake(path, query)
+            elif path.startswith("/admin/") and not self._local_only():
+                return
             elif path == "/admin/drop_kv_cache":
                 self._admin_drop_kv()
             elif path == "/admin/restore_kv_cache":
@@ -183,7 +188,7 @@ class Handler(BaseHTTPRequestHandler):
         if st.sleeper is None:
             self._error(404, "sleep mode is off: start the engine with --enable-sleep-mode")
             return
-        if not st.sleep_public and self.client_address[0] not in ("127.0.0.1", "::1"):
+        if not st.sleep_public and not self._from_this_host():
             self._error(403, "sleep endpoints answer on loopback only (--sleep-endpoints-public to change that)")
             return
         from restartkit.reference.sleep import SleepError
@@ -213,6 +218,31 @@ class Handler(BaseHTTPRequestHandler):
             awake = not st.sleeper.asleep and eng.model.cache_k is not None
             head = {"status": "awake" if awake else "sleeping", "tags": query.get("tags")}
         self._send(200, {**head, **info, "is_sleeping": st.sleeper.asleep})
+
+    def _from_this_host(self) -> bool:
+        """Loopback, or this host calling the specific address the server binds (restartkit does
+        that when [service] host names one): another host cannot open a TCP connection from it."""
+        client = self.client_address[0]
+        bound = self.server.server_address[0]
+        return client in ("127.0.0.1", "::1") or client.startswith("127.") or (
+            bound not in ("0.0.0.0", "::", "") and client == bound)
+
+    def _local_only(self) -> bool:
+        """Admin endpoints (stats, KV-cache drop) answer this host only; a 403 otherwise."""
+        if self._from_this_host():
+            return True
+        self._error(403, "admin endpoints answer on loopback only", "forbidden")
+        return False
+
+    def _serving(self) -> bool:
+        st = self.server.state
+        if st.sleeper is not None and st.sleeper.asleep:
+            self._error(503, f"the engine is asleep (level {st.sleeper.level})", "unavailable")
+            return False
+        if not st.ready:
+            self._error(503, "the engine is not ready (loading, or its KV cache was dropped)", "unavailable")
+            return False
+        return True
 
     def _stats(self) -> dict:
         st = self.server.state
@@ -305,11 +335,21 @@ class Handler(BaseHTTPRequestHandler):
             st.phases["first_request"] = round(time.perf_counter() - t0, 4)
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port < 65536:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0..65535)")
+    return port
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="restartkit engine serve")
     p.add_argument("--model", required=True)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=1024)

@@ -20,10 +20,23 @@ PYCRIU_DIRS = ["/opt/restartkit/criu/python"]
 # Deleted files a process still maps (shared-memory segments, semaphores) are
 # saved into the image; CRIU's default limit of 1 MB is too small for engines.
 GHOST_LIMIT, GHOST_LIMIT_BYTES = "1024M", 1 << 30
-# Established client connections (a service under load) are locked while dumped: through nftables,
-# whose library CRIU links (scripts/install-criu brings it); CRIU's default, iptables, needs the
-# iptables binary, which hosts often lack.
-NETWORK_LOCK, NETWORK_LOCK_RPC = "nftables", 2
+# Established client connections (a service under load) are locked while dumped: through nftables
+# where this CRIU and kernel support it (its library comes with scripts/install-criu); CRIU's default,
+# iptables, needs the iptables binary, which hosts often lack.
+NETWORK_LOCKS_RPC = {"iptables": 1, "nftables": 2}
+_network_lock: dict[str, str] = {}
+
+
+def network_lock(binary: str) -> str:
+    """'nftables' when `criu check` says it can lock the network with it, else 'iptables'."""
+    if binary not in _network_lock:
+        try:
+            r = subprocess.run([binary, "check", "--feature", "network_lock_nftables"], capture_output=True,
+                               timeout=20, start_new_session=True)
+            _network_lock[binary] = "nftables" if r.returncode == 0 else "iptables"
+        except (OSError, subprocess.TimeoutExpired):
+            _network_lock[binary] = "iptables"
+    return _network_lock[binary]
 
 
 class CriuError(StrategyError):
@@ -89,7 +102,7 @@ class Criu:
 
     def _common(self) -> list[str]:
         flags = ["--tcp-established", "--ext-unix-sk", "--file-locks", "--link-remap", "--ghost-limit", GHOST_LIMIT,
-                 "--network-lock", NETWORK_LOCK, "-v4"]
+                 "--network-lock", network_lock(self.binary), "-v4"]
         return flags + (["--shell-job"] if self.shell_job else [])
 
     def _cli(self, args: list[str], images: Path, log: Path, timeout_s: float = 3600, pids: list[int] = (),
@@ -119,7 +132,7 @@ class Criu:
             c.opts.log_file = log.name
             c.opts.log_level = 4
             c.opts.tcp_established = True
-            c.opts.network_lock = NETWORK_LOCK_RPC
+            c.opts.network_lock = NETWORK_LOCKS_RPC[network_lock(self.binary)]
             c.opts.ext_unix_sk = True
             c.opts.file_locks = True
             c.opts.link_remap = True

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from restartkit import __version__
-from restartkit.errors import StrategyError
+from restartkit.errors import StrategyError, UsageError
 from restartkit.guard import check_interrupted
 from restartkit.snapshot.criu import Criu, CriuError, put_back_shm
 from restartkit.supervise import tree_pids
@@ -112,6 +112,13 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
     pids = tree_pids(proc.pid)
     if blockers := dump_blockers(pids):
         raise StrategyError("the engine cannot be dumped: " + "; ".join(blockers))
+    if secrets := secret_names(proc.pid):
+        what = ", ".join(secrets)
+        if service.policy.criu["refuse_secrets"]:
+            raise UsageError(f"the engine's environment or arguments carry {what}: a snapshot image would hold it in clear",
+                             hint="start the engine without it, or set [criu] refuse_secrets = false to snapshot anyway")
+        progress(f"warning: the engine's environment or arguments carry {what}; the snapshot image holds it "
+                 "(files 0600 in a 0700 directory; [criu] refuse_secrets = true refuses instead)")
     progress("taking the canary")
     canary = service.canary()
     ident = identity(service, facts)
@@ -169,10 +176,38 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
         "criu_via": crit.last_via, "phases": phases, "kv_cache_freed_bytes": shrunk.get("kv_cache_freed_bytes", 0), "image_bytes": dir_bytes(images),
         "left_running": leave_running, "files": image_sizes(images),
     }
+    private_files(images)
     snap = store.commit(images, manifest, make_current)
     store.prune(service.policy.criu["keep"])
     progress(f"snapshot {snap.id}: {manifest['image_bytes'] / 1e6:.1f} MB in {phases['criu_dump']:.2f} s")
     return snap
+
+
+SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
+
+
+def secret_names(pid: int) -> list[str]:
+    """Environment variables and flags of the running engine whose names say they hold a secret."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+    names = sorted({e.split(b"=", 1)[0].decode(errors="replace") for e in environ
+                    if b"=" in e and e.split(b"=", 1)[1] and any(w in e.split(b"=", 1)[0].decode(errors="replace").upper()
+                                                                 for w in SECRET_WORDS)})
+    names += [a.split("=", 1)[0] for a in argv
+              if a.startswith("--") and any(w in a.lower() for w in ("api-key", "token", "secret", "password"))]
+    return names
+
+
+def private_files(images: Path) -> None:
+    """A CRIU image holds the process's memory (keys in its environment included): owner only."""
+    for p in images.rglob("*"):
+        try:
+            os.chmod(p, 0o700 if p.is_dir() else 0o600)
+        except OSError:
+            pass
 
 
 def _discard(images: Path, service) -> None:

@@ -127,8 +127,11 @@ def _owner_alive(sid: str) -> bool:
 
 
 def write_json(path: Path, data) -> None:
+    """Atomic, owner-only (a manifest names the engine's argv)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with open(fd, "w") as f:
+        f.write(json.dumps(data, indent=2))
     os.replace(tmp, path)
 
 

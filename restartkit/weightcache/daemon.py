@@ -258,7 +258,7 @@ def main(argv=None) -> int:
     set_parent_death_signal()
     block_stop_signals()
     d = Daemon(args)
-    sdir = protocol.socket_dir(args.socket_dir)
+    sdir = protocol.socket_dir(args.socket_dir, create=True)
     name = protocol.socket_name(args.device_uuid, args.draft)
     sock_path, lock_path = sdir / name, sdir / (name + ".lock")
     try:

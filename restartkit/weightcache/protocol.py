@@ -25,16 +25,34 @@ class ProtocolError(Exception):
     pass
 
 
-def socket_dir(override: str = "") -> Path:
-    """A per-user private directory for the sockets (created 0700; refused if it is not ours or is open)."""
+def socket_dir(override: str = "", create: bool = False) -> Path:
+    """The per-user private directory for the sockets.  `create` (the daemons): made 0700 when
+    missing, and refused when it is not ours or others may write to it (never chmodded behind the
+    operator's back).  Clients only name it: `request` checks what it finds there."""
     d = Path(override) if override else Path(tempfile.gettempdir()) / f"restartkit-wc-{os.getuid()}"
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = d.stat()
-    if st.st_uid != os.getuid():
-        raise ProtocolError(f"socket directory {d} belongs to uid {st.st_uid}, not to you ({os.getuid()}): pick another --socket-dir")
-    if st.st_mode & 0o077:
-        os.chmod(d, 0o700)
+    if create:
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if problem := _untrusted(d, "socket directory"):
+            raise ProtocolError(problem)
     return d
+
+
+def _untrusted(path: Path, what: str) -> str | None:
+    st = os.stat(path)
+    if st.st_uid not in (os.getuid(), 0):
+        return f"{what} {path} belongs to uid {st.st_uid}, not to you ({os.getuid()}) or root: refusing it"
+    if what == "socket directory" and st.st_mode & 0o022:
+        return (f"{what} {path} is writable by others (mode {st.st_mode & 0o777:o}): anyone could put a socket in "
+                f"the daemon's place; `chmod 700 {path}` or pick another socket_dir")
+    return None
+
+
+def trust_problem(path: Path) -> str | None:
+    """Why a daemon socket at `path` is not to be trusted (None: it may be): its directory or
+    itself owned by another user, or a directory others can write to.  FileNotFoundError when
+    there is no socket."""
+    path = Path(path)
+    return _untrusted(path.parent, "socket directory") or _untrusted(path, "socket")
 
 
 def socket_name(device_uuid: str, draft: bool = False) -> str:
@@ -134,10 +152,16 @@ def _close(fds) -> None:
 def request(path: str | Path, message: dict, timeout: float = 30.0, connect_timeout: float = 5.0) -> tuple[dict, list[int]]:
     """Connect, send one request, read one answer.  Raises ConnectionError
     (nothing listens), TimeoutError, ProtocolError."""
+    if problem := trust_problem(Path(path)):
+        raise ProtocolError(problem)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(connect_timeout)
         sock.connect(str(path))
+        peer_pid, peer_uid, _gid = peer_credentials(sock)
+        if peer_uid not in (os.getuid(), 0):  # a socket swapped in between our check and the connect
+            raise ProtocolError(f"the process serving {path} (PID {peer_pid}) runs as uid {peer_uid}, not as you "
+                                f"({os.getuid()}) or root: refusing its answers")
         try:
             send(sock, message, timeout=timeout)
         except (BrokenPipeError, ConnectionResetError):
