@@ -126,11 +126,12 @@ class Service:
             sf.engine_running, sf.pid = True, proc.pid
             # a hung engine must cost seconds here, not the minutes a loaded one may take to answer
             sf.engine_ready, answered = self.probe(timeout_s=FACT_TIMEOUT_S)
+            try:  # a busy engine may queue a completion past the probe's timeout; its stats answer at once
+                sf.extra["engine_stats"] = self.adapter.stats(self.policy, timeout=FACT_TIMEOUT_S)
+                answered = True
+            except Exception:
+                pass
             if answered:
-                try:
-                    sf.extra["engine_stats"] = self.adapter.stats(self.policy, timeout=FACT_TIMEOUT_S)
-                except Exception:
-                    pass
                 try:
                     sf.extra["sleep_state"] = self.adapter.sleep_state(self.policy, proc.pid)
                 except Exception as e:
