@@ -91,6 +91,7 @@ def test_no_wrong_answer_and_no_500_through_every_strategy(make_policy, sockdir,
             assert r.returncode == 0 and rec["proof"]["canary_identical"] is True, rec
             served.append((strategy, rec["served_by"], rec["via_recovery"]))
             time.sleep(0.5)
+    print(f"load: {len(clients.answers)} answers, failures {clients.failures}, restarts {served}")  # for BENCHMARKS.md
     assert all(s == by and not via for s, by, via in served), served  # no strategy fell back
     assert len(clients.answers) > 20, (len(clients.answers), clients.failures)
     assert len({tuple(a) for a in clients.answers}) == 1, "a wrong answer was served"
