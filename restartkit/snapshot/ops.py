@@ -167,7 +167,6 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
                                 hint=f"check it with `restartkit status --policy {service.policy.path}`; "
                                      "the previous snapshot stays current") from None
         phases["resume"] = round(time.monotonic() - t, 3)
-        service.intent.update(kv_dropped=False)
     else:
         service.pidfile.unlink(missing_ok=True)
     manifest = {
