@@ -10,8 +10,9 @@ import click
 
 from restartkit import __version__
 from restartkit.errors import EXIT_NOT_SERVING, EXIT_SERVING, RestartkitError
-from restartkit.options import (json_option, policy_option, reason_option, state_dir_option, strategy_option,
-                                wait_option)
+from restartkit.record import render_record
+from restartkit.options import (json_option, policy_option, reason_option, state_dir_option, state_root,
+                                strategy_option, wait_option)
 
 
 def friendly(fn):
@@ -47,9 +48,8 @@ def guarded(svc, command: str, wait_s: float = 0.0, **kw):
 
 
 def load(policy_path: str):
-    from restartkit.policy import load_policy
     from restartkit.service import Service
-    return Service(load_policy(policy_path))
+    return Service.from_policy_file(policy_path, state_root())
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -72,8 +72,7 @@ def main():
 def facts(as_json, criu_path):
     """What this host can do: arch, kernel, GPUs, CRIU, io_uring, memory, disk."""
     from restartkit import facts as hf
-    import os
-    f = hf.gather(os.environ.get("RESTARTKIT_STATE_DIR", ""), criu_path)
+    f = hf.gather(state_root(), criu_path)
     gpus = "; ".join(f"{g.index}: {g.name} {g.uuid} {g.memory_total_bytes / 2**30:.0f} GiB" for g in f.gpus) or f"none ({f.nvml_error})"
     c = f.criu
     text = "\n".join([
@@ -148,34 +147,6 @@ def restart_and_exit(policy_path, strategy: str, as_json: bool, command: str, wa
         rec = do_restart(svc, strategy, reason, strict, say=say, **options)
     emit(rec.to_dict(), as_json, render_record(rec.to_dict()))
     sys.exit(rec.exit_code)
-
-
-def render_record(r: dict) -> str:
-    lines = [f"restart {r['id']} of {r['service']}: {r['final_state']}"
-             + (f" by {r['served_by']}" if r["served_by"] else "")
-             + (" (through the recovery path)" if r["via_recovery"] else "")]
-    if r["recovery_reason"]:
-        lines.append(f"  why recovery: {r['recovery_reason']}")
-    for a in r["attempts"]:
-        status = "skipped" if a.get("skipped") else ("ok" if a["ok"] else "failed")
-        phases = ", ".join(f"{k} {v:.2f}s" for k, v in (a.get("phases") or {}).items())
-        lines.append(f"  {a['role']:<8} {a['strategy']:<6} {status:<7} {phases}")
-        if a.get("error") and not a.get("skipped"):
-            lines.append(f"           error: {a['error']}")
-        eng = a.get("engine_phases") or {}
-        if eng:
-            lines.append("           engine: " + ", ".join(f"{k} {v:.2f}s" for k, v in eng.items()))
-    p = r.get("proof") or {}
-    if "canary_identical" in p:
-        ident = {True: "identical", False: "DIFFERENT", None: "not compared"}[p["canary_identical"]]
-        lines.append(f"  canary: {ident} (baseline: {p.get('baseline_source')})")
-    if r["time_to_ready_s"] is not None:
-        lines.append(f"  time to ready: {r['time_to_ready_s']:.2f} s; first completion: {r['first_completion_s'] or 0:.3f} s")
-    d = r.get("downtime")
-    if d:
-        lines.append(f"  downtime as a client saw it: {d['downtime_s']} s ({d['answered']}/{d['requests']} requests answered; "
-                     f"failures: {d['failed'] or 'none'})")
-    return "\n".join(lines)
 
 
 @main.command()
@@ -293,7 +264,8 @@ def history(policy_path, last, as_json):
 def preload(policy_path, detach, wait_ready, **flags):
     """Start the weight-cache daemons (one per local device) and keep them running."""
     from restartkit.weightcache.prelaunch import preload_command
-    sys.exit(preload_command(policy_path, flags, detach=detach, wait_ready=wait_ready, say=click.echo))
+    sys.exit(preload_command(policy_path, flags, detach=detach, wait_ready=wait_ready, say=click.echo,
+                             state_root=state_root()))
 
 
 @main.command()
@@ -416,9 +388,8 @@ def _snapshot_context(policy_path_or_service):
 
 def _require_snapshot_prereqs(svc, facts):
     from restartkit.errors import StrategyError
-    from restartkit.strategies.criu_checks import SNAPSHOT_PREREQUISITES
-    reasons = [r for r in (p(facts, svc.policy) for p in SNAPSHOT_PREREQUISITES) if r]
-    if reasons:
+    from restartkit.restart import snapshot_problems
+    if reasons := snapshot_problems(facts, svc.policy):
         raise StrategyError("a snapshot cannot be taken here: " + "; ".join(reasons))
 
 
@@ -493,10 +464,10 @@ def _pick_snapshot(svc, snapshot_id: str | None):
 @friendly
 def snapshot_inspect(policy_path, snapshot_id, as_json):
     """A snapshot's manifest, and how its identity compares with this host."""
-    from restartkit.snapshot.ops import identity, mismatches
+    from restartkit.snapshot.ops import host_identity, mismatches
     svc, facts = _snapshot_context(policy_path)
     snap = _pick_snapshot(svc, snapshot_id)[1]
-    miss = mismatches(snap.manifest["identity"], identity(svc, facts))
+    miss = mismatches(snap.manifest["identity"], host_identity(svc, facts))
     data = {"id": snap.id, "path": str(snap.path), "mismatches": miss, **snap.manifest}
     emit(data, as_json, f"{snap.id}: {snap.manifest['image_bytes'] / 1e6:.1f} MB, {snap.age_s / 3600:.1f} h old, "
          + ("matches this host" if not miss else "does NOT match: " + "; ".join(miss))
@@ -658,7 +629,7 @@ def bench(policy_path, strategies, repeat, out, wait_s, as_json):
     """Restart the same service with each strategy N times; compare time to ready."""
     from restartkit.bench import render_bench, run_bench
     from restartkit.errors import UsageError
-    from restartkit.policy import STRATEGIES
+    from restartkit.contracts import STRATEGY_NAMES as STRATEGIES
     names = [s.strip() for s in strategies.split(",") if s.strip()]
     if not names or (bad := [n for n in names if n not in STRATEGIES]):
         raise UsageError(f"--strategies {strategies!r}: " + (f"unknown strategy {bad[0]!r}" if names else "names none"),
@@ -676,7 +647,7 @@ def bench(policy_path, strategies, repeat, out, wait_s, as_json):
 def demo(workdir, repeat):
     """The main job on the embedded reference model, end to end on this machine."""
     from restartkit.demo import run_demo
-    sys.exit(run_demo(workdir, repeat, say=click.echo))
+    sys.exit(run_demo(workdir, repeat, say=click.echo, state_root=state_root()))
 
 
 if __name__ == "__main__":

@@ -51,13 +51,15 @@ level = 1
 """
 
 
-def run_demo(workdir: str = DEFAULT_WORKDIR, repeat: int = 2, say: Callable[[str], None] = print) -> int:
+def run_demo(workdir: str = DEFAULT_WORKDIR, repeat: int = 2, say: Callable[[str], None] = print,
+             state_root: str = "") -> int:
+    """`state_root`: where the demo service's state dir lives (default: in the workdir)."""
     from restartkit.bench import render_bench, run_bench
-    from restartkit.cli import render_record
     from restartkit.planner import render_plan
-    from restartkit.policy import load_policy
+    from restartkit.record import render_record
     from restartkit.restart import plan_for, restart
     from restartkit.service import Service
+    from restartkit.weightcache.prelaunch import start_weight_cache, stop_weight_cache
 
     root = Path(os.path.expanduser(workdir))
     root.mkdir(parents=True, exist_ok=True)
@@ -68,8 +70,7 @@ def run_demo(workdir: str = DEFAULT_WORKDIR, repeat: int = 2, say: Callable[[str
         write_checkpoint(model_dir, "small")
     policy_path = root / "demo.toml"
     policy_path.write_text(DEMO_POLICY.format(workdir=workdir))
-    os.environ.setdefault("RESTARTKIT_STATE_DIR", str(root / "state"))
-    svc = Service(load_policy(policy_path))
+    svc = Service.from_policy_file(policy_path, state_root or str(root / "state"))
 
     say(f"== starting the reference engine (policy {policy_path})")
     svc.stop()
@@ -78,8 +79,7 @@ def run_demo(workdir: str = DEFAULT_WORKDIR, repeat: int = 2, say: Callable[[str
     say(f"serving on {svc.adapter.base_url(svc.policy)} (PID {started.process.pid}) after {started.ready_s:.2f} s")
 
     say(f"\n== restartkit preload --policy {policy_path} --detach   (the weight cache, for ipc)")
-    from restartkit.weightcache.prelaunch import preload_command
-    preload_command(str(policy_path), _no_flags(), detach=True, wait_ready=False, say=say)
+    start_weight_cache(svc.policy, say)
 
     say(f"\n== restartkit snapshot create --policy {policy_path}   (for criu)")
     _try_snapshot(svc, say)
@@ -103,25 +103,17 @@ def run_demo(workdir: str = DEFAULT_WORKDIR, repeat: int = 2, say: Callable[[str
         "here; with 16 GB of weights on an H200, one run measured ipc ready in 4.3 s against 7.2-7.5 s cold: "
         "docs/BENCHMARKS.md)")
     svc.stop()
-    from restartkit.weightcache.client import send_all
-    send_all(svc.policy, "stop", force=True)
+    stop_weight_cache(svc.policy)
     say(f"\nthe demo engine and its weight cache were stopped; start again with: restartkit start --policy {policy_path}")
     say(f"records: {svc.state_dir / 'history.jsonl'}; metrics: {svc.state_dir / 'metrics.prom'}")
     return EXIT_SERVING if rec.final_state == "serving" else EXIT_NOT_SERVING
 
 
-def _no_flags() -> dict:
-    from restartkit.weightcache.prelaunch import FLAG_TO_LAYOUT
-    return {**{k: None for k in FLAG_TO_LAYOUT}, "startup_timeout": None, "health_host": None, "health_port": None}
-
-
 def _try_snapshot(svc, say) -> None:
-    from restartkit.restart import gather_facts
+    from restartkit.restart import gather_facts, snapshot_problems
     from restartkit.snapshot.ops import create
-    from restartkit.strategies.criu_checks import SNAPSHOT_PREREQUISITES
     facts = gather_facts(svc, "restart")
-    reasons = [r for r in (p(facts, svc.policy) for p in SNAPSHOT_PREREQUISITES) if r]
-    if reasons:
+    if reasons := snapshot_problems(facts, svc.policy):
         say("no snapshot on this host: " + "; ".join(reasons))
         return
     try:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from restartkit.errors import RestartkitError, UsageError
+from restartkit.supervise import proc_start_ticks
 
 EXIT_BUSY = 75  # EX_TEMPFAIL: try again later
 DEFERRED_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
@@ -67,21 +68,6 @@ def preflight_writable(directory: Path, what: str = "state dir") -> None:
                               "or point --state-dir / [service] state_dir elsewhere") from None
 
 
-def proc_start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22):
-    with the PID, it names one process, and no clock step can change it."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-        return int(raw[raw.rindex(")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def holder_alive(info: dict) -> bool:
-    pid = info.get("pid")
-    return bool(pid) and proc_start_ticks(pid) is not None and proc_start_ticks(pid) == info.get("start_ticks")
-
-
 @contextlib.contextmanager
 def service_lock(state_dir: Path, service: str, command: str, wait_s: float = 0.0,
                  say: Callable[[str], None] = lambda _m: None) -> Iterator[None]:
@@ -120,47 +106,6 @@ def _read_holder(fd: int) -> dict:
         return {}
 
 
-class Intent:
-    """intent.json: what the command holding the lock is doing now.  Written
-    before each step that starts or changes an engine; removed when the
-    command ends.  Found while holding the lock, it is a command that died."""
-
-    def __init__(self, state_dir: Path):
-        self.path = state_dir / "intent.json"
-        self.data: dict = {}
-
-    def begin(self, command: str, **info) -> None:
-        self.data = {"command": command, "pid": os.getpid(), "start_ticks": proc_start_ticks(os.getpid()),
-                     "started_at": time.time(), "pids": [], **info}
-        self._write()
-
-    def update(self, **info) -> None:
-        if not self.data:
-            return
-        pids = info.pop("pids", None)
-        if pids:
-            self.data["pids"] = sorted(set(self.data["pids"]) | set(pids))
-        self.data.update(info)
-        self._write()
-
-    def clear(self) -> None:
-        self.data = {}
-        self.path.unlink(missing_ok=True)
-
-    def _write(self) -> None:
-        tmp = self.path.with_name(f".intent.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.data))
-        os.replace(tmp, self.path)
-
-    def read_stale(self) -> dict | None:
-        """The intent of a command that is gone (None when there is none, or its writer still runs)."""
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None
-        return None if holder_alive(data) and data.get("pid") != os.getpid() else data
-
-
 @contextlib.contextmanager
 def deferred_signals(say: Callable[[str], None], what: str) -> Iterator[list[int]]:
     """Termination signals during the block are noted, not acted on: the block
@@ -178,12 +123,6 @@ def deferred_signals(say: Callable[[str], None], what: str) -> Iterator[list[int
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-
-
-def now_ticks() -> int:
-    """Now, in the clock ticks since boot that /proc/PID/stat's start times count."""
-    with open("/proc/uptime") as f:
-        return int(float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK"))
 
 
 @contextlib.contextmanager

@@ -5,11 +5,22 @@ import os
 
 import click
 
+from restartkit.contracts import REASONS, STRATEGY_NAMES
+
+STATE_DIR_ENV = "RESTARTKIT_STATE_DIR"  # the one variable restartkit's own commands read (besides click's options)
+
 
 def _set_state_dir(ctx, param, value):
     if value:
-        os.environ["RESTARTKIT_STATE_DIR"] = value
+        ctx.meta["restartkit.state_root"] = value
     return value
+
+
+def state_root() -> str:
+    """The root of state dirs for this command: --state-dir, else $RESTARTKIT_STATE_DIR (commands
+    without the option honour it too), else "" (the policy's own or the default)."""
+    ctx = click.get_current_context(silent=True)
+    return (ctx.meta.get("restartkit.state_root") if ctx else None) or os.environ.get(STATE_DIR_ENV, "")
 
 
 policy_option = click.option(
@@ -17,15 +28,15 @@ policy_option = click.option(
     type=click.Path(dir_okay=False), help="The service's policy file (TOML).")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
 state_dir_option = click.option(
-    "--state-dir", envvar="RESTARTKIT_STATE_DIR", show_envvar=True, expose_value=False, is_eager=True,
+    "--state-dir", envvar=STATE_DIR_ENV, show_envvar=True, expose_value=False, is_eager=True,
     callback=_set_state_dir, help="Where records, logs and PID files live.  [default: ~/.local/state/restartkit]")
 wait_option = click.option(
     "--wait", "wait_s", type=click.FloatRange(min=0), default=0.0, envvar="RESTARTKIT_LOCK_WAIT", show_envvar=True,
     show_default=True, help="Seconds to wait for another restartkit command on this service to finish "
                             "(0: exit 75 at once, naming it).")
-strategy_choice = click.Choice(["auto", "sleep", "ipc", "criu", "cold"])
+strategy_choice = click.Choice(["auto", *STRATEGY_NAMES])
 strategy_option = click.option("--strategy", type=strategy_choice, default="auto", show_default=True,
                                help="How to bring the service back; auto picks the fastest eligible.")
 reason_option = click.option(
-    "--reason", type=click.Choice(["restart", "crash", "config", "code", "weights"]), default="restart",
+    "--reason", type=click.Choice(list(REASONS)), default="restart",
     show_default=True, help="Why restart: decides which strategies can satisfy it (sleep applies no new code, flags or weights).")

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from restartkit.contracts import STRATEGY_NAMES
 from restartkit.errors import PolicyError
+from restartkit.weightcache.loader import DEFAULTS as LOADER
 
-STRATEGIES = ("sleep", "ipc", "criu", "cold")
+DEFAULT_STATE_ROOT = "~/.local/state/restartkit"
 ENGINES = ("reference", "vllm", "sglang", "command")
 HEX40 = re.compile(r"[0-9a-f]{40}")
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
@@ -135,7 +137,7 @@ def _calendar(v):
 def _strategy_list(v):
     if v == ["auto"]:
         return None
-    bad = [s for s in v if s not in STRATEGIES]
+    bad = [s for s in v if s not in STRATEGY_NAMES]
     if bad:
         return f"unknown strategy {bad[0]!r}"
     if len(set(v)) != len(v):
@@ -167,7 +169,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "engine_args": Key(list, [], doc="extra command-line arguments for the engine", check=_argv),
         "env": Key(dict, {}, doc="extra environment for the engine (string values)", check=_env),
         "command": Key(list, [], doc="argv of the engine (engine = 'command' only)", check=_argv),
-        "state_dir": Key(str, "", doc="default: $RESTARTKIT_STATE_DIR or ~/.local/state/restartkit", check=_path),
+        "state_dir": Key(str, "", doc="default: --state-dir ($RESTARTKIT_STATE_DIR) or ~/.local/state/restartkit", check=_path),
     },
     "restart": {
         "strategies": Key(list, ["auto"], doc="'auto' or strategies in preference order", check=_strategy_list),
@@ -183,11 +185,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                 "cache); auto: serve_beside when free memory holds a second KV cache, else prestart"),
     },
     "ipc": {
-        "mode": Key(str, "zero_copy", ("zero_copy", "copy")),
-        "fallback": Key(bool, True),
-        "connect_timeout_s": Key((int, float), 5.0, check=_seconds),
-        "state_timeout_s": Key((int, float), 300.0, check=_seconds),
-        "socket_dir": Key(str, "", doc="default: $TMPDIR/restartkit-wc-<uid>", check=_path),
+        # the engine-side loader's keys (restartkit.weightcache.loader.LOADER_KEYS), with its defaults
+        "mode": Key(str, LOADER["mode"], ("zero_copy", "copy")),
+        "fallback": Key(bool, LOADER["fallback"]),
+        "connect_timeout_s": Key((int, float), LOADER["connect_timeout_s"], check=_seconds),
+        "state_timeout_s": Key((int, float), LOADER["state_timeout_s"], check=_seconds),
+        "socket_dir": Key(str, LOADER["socket_dir"], doc="default: $TMPDIR/restartkit-wc-<uid>", check=_path),
         "health_host": Key(str, "127.0.0.1", check=_host),
         "health_port": Key(int, 0, doc="0: no health endpoint", check=_port_or_zero),
         "startup_timeout_s": Key((int, float), 900.0, check=_seconds),
@@ -235,9 +238,10 @@ def _typename(t) -> str:
 class Policy:
     path: str
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    state_root: str = ""  # where service state dirs live unless [service] state_dir says (the CLI's --state-dir)
 
     def __getattr__(self, name):  # policy.service, policy.restart, ...
-        if name.startswith("__") or name == "sections":
+        if name.startswith("__") or name in ("sections", "state_root"):
             raise AttributeError(name)
         try:
             return _Section(self.sections[name])
@@ -253,7 +257,7 @@ class Policy:
         return list(self.sections["restart"]["strategies"])
 
     def state_dir(self) -> Path:
-        base = self.sections["service"]["state_dir"] or os.environ.get("RESTARTKIT_STATE_DIR") or "~/.local/state/restartkit"
+        base = self.sections["service"]["state_dir"] or self.state_root or DEFAULT_STATE_ROOT
         return Path(os.path.expandvars(os.path.expanduser(base))) / self.name
 
     def to_dict(self) -> dict:
@@ -322,7 +326,8 @@ def parse_policy(data: dict, path: str = "<policy>") -> Policy:
     return Policy(path=path, sections=sections)
 
 
-def load_policy(path: str | os.PathLike) -> Policy:
+def load_policy(path: str | os.PathLike, state_root: str = "") -> Policy:
+    """`state_root`: the default root of state dirs (a policy's [service] state_dir wins)."""
     p = Path(path)
     if not p.is_file():
         raise PolicyError(p, "", "no such policy file", "give the path of a TOML policy; examples are in policies/")
@@ -336,4 +341,6 @@ def load_policy(path: str | os.PathLike) -> Policy:
         raise PolicyError(p, "", "nests arrays or tables too deeply to read", "a policy needs two levels at most") from None
     except OSError as e:
         raise PolicyError(p, "", f"cannot be read: {e.strerror}", None) from None
-    return parse_policy(data, str(p))
+    policy = parse_policy(data, str(p))
+    policy.state_root = state_root or ""
+    return policy

@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from restartkit.guard import Intent, proc_start_ticks
-from restartkit.supervise import EngineProcess, kill_tree, tree_pids
+from restartkit.intent import Intent
+from restartkit.supervise import EngineProcess, kill_tree, proc_start_ticks, tree_pids
 
 # commands after which the service was meant to serve
 SERVING_COMMANDS = {"restart", "start", "wake", "snapshot restore", "snapshot create", "snapshot refresh", "rollout",
@@ -135,8 +135,7 @@ def _wait_gone(pids: list[int], timeout_s: float) -> None:
 
 
 def _record(service, stale: dict, result: dict) -> None:
-    from restartkit.record import Record
-    from restartkit.restart import write_record
+    from restartkit.record import Record, write_record
     rec = Record(service=service.policy.name, policy=service.policy.path, requested=stale.get("strategy") or "-",
                  reason=stale.get("reason") or "restart", plan={})
     rec.started_at = stale.get("started_at") or rec.started_at

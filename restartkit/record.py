@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -176,3 +177,44 @@ def write_textfile(path: Path, families) -> None:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(families))
     write_to_textfile(str(path), registry)
+
+
+def write_record(service, rec: Record) -> bool:
+    """history.jsonl and metrics.prom.  A record that cannot be written is printed on stderr
+    (never silently lost), and never turns a served restart into a failed command."""
+    try:
+        append_history(service.state_dir, rec)
+        update_metrics(service.state_dir, rec)
+        return True
+    except OSError as e:
+        print(f"restartkit: could not write the record of restart {rec.id} to {service.state_dir} ({e.strerror or e}); "
+              f"the record follows:\n{json.dumps(rec.to_dict(), default=str)}", file=sys.stderr)
+        return False
+
+
+def render_record(r: dict) -> str:
+    lines = [f"restart {r['id']} of {r['service']}: {r['final_state']}"
+             + (f" by {r['served_by']}" if r["served_by"] else "")
+             + (" (through the recovery path)" if r["via_recovery"] else "")]
+    if r["recovery_reason"]:
+        lines.append(f"  why recovery: {r['recovery_reason']}")
+    for a in r["attempts"]:
+        status = "skipped" if a.get("skipped") else ("ok" if a["ok"] else "failed")
+        phases = ", ".join(f"{k} {v:.2f}s" for k, v in (a.get("phases") or {}).items())
+        lines.append(f"  {a['role']:<8} {a['strategy']:<6} {status:<7} {phases}")
+        if a.get("error") and not a.get("skipped"):
+            lines.append(f"           error: {a['error']}")
+        eng = a.get("engine_phases") or {}
+        if eng:
+            lines.append("           engine: " + ", ".join(f"{k} {v:.2f}s" for k, v in eng.items()))
+    p = r.get("proof") or {}
+    if "canary_identical" in p:
+        ident = {True: "identical", False: "DIFFERENT", None: "not compared"}[p["canary_identical"]]
+        lines.append(f"  canary: {ident} (baseline: {p.get('baseline_source')})")
+    if r["time_to_ready_s"] is not None:
+        lines.append(f"  time to ready: {r['time_to_ready_s']:.2f} s; first completion: {r['first_completion_s'] or 0:.3f} s")
+    d = r.get("downtime")
+    if d:
+        lines.append(f"  downtime as a client saw it: {d['downtime_s']} s ({d['answered']}/{d['requests']} requests answered; "
+                     f"failures: {d['failed'] or 'none'})")
+    return "\n".join(lines)

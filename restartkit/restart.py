@@ -1,101 +1,55 @@
 """Carry out a plan: baseline canary, the chosen strategy, proof, and on any
-failure the recovery path (a cold start).  Every restart leaves one record."""
+failure the recovery path (a cold start).  Every restart leaves one record.
+
+The flow, data one way: gather_facts (I/O, once) -> make_plan (pure) ->
+_restart (acts, appends each attempt to the record) -> write_record."""
 from __future__ import annotations
 
-import json
-import sys
 import time
 from typing import Callable
 
 from restartkit import facts as host_facts
+from restartkit.contracts import Facts, Outcome, Plan
 from restartkit.errors import RestartkitError
-from restartkit.guard import now_ticks
-from restartkit.planner import Plan, make_plan
-from restartkit.record import Record, append_history, update_metrics
+from restartkit.planner import make_plan
+from restartkit.record import Record, write_record
 from restartkit.service import Service
 from restartkit.strategies import all_strategies
-from restartkit.strategies.base import Facts, Outcome
-
-REASONS = ("restart", "crash", "config", "code", "weights")
+from restartkit.supervise import now_ticks
 
 
 def gather_facts(service: Service, reason: str, run_criu_check: bool = True) -> Facts:
+    """Everything the planner and the strategies need, asked once: the host, the service and
+    its live engine, then each strategy's own facts (a strategy that cannot ask says why)."""
     host = host_facts.gather(service.state_dir, service.policy.criu["criu_path"], run_criu_check=run_criu_check)
     facts = Facts(host=host, service=service.service_facts(), reason=reason)
-    facts.service.extra["criu"] = snapshot_facts(service, facts)
+    for name, strategy in all_strategies().items():
+        try:
+            facts.strategy[name] = strategy.gather(service, facts)
+        except Exception as e:
+            facts.strategy[name] = {"error": f"{type(e).__name__}: {e}"}
     return facts
 
 
-def snapshot_facts(service: Service, facts: Facts) -> dict:
-    """The current snapshot and whether it fits this host; what the live engine holds."""
-    if service.adapter is None or facts.service.model_problem:
-        return {}
-    try:
-        from restartkit.snapshot.cudackpt import fd_targets
-        from restartkit.snapshot.ops import identity, mismatches, store_for
-        from restartkit.supervise import tree_pids
-        out: dict = {}
-        if facts.service.pid:
-            pids = tree_pids(facts.service.pid)
-            fds = {p: fd_targets(p) for p in pids}
-            out["io_uring_pids"] = [p for p, t in fds.items() if any("io_uring" in x for x in t)]
-            out["ipc_attached"] = any("memfd:restartkit-arena" in x for t in fds.values() for x in t)
-        snap = store_for(service).current()
-        if snap is not None:
-            out.update(current=snap.id, suspect=snap.suspect, age_s=round(snap.age_s),
-                       tested=(snap.manifest.get("tested") or {}).get("ok"),
-                       image_bytes=snap.manifest.get("image_bytes"),
-                       mismatches=mismatches(snap.manifest["identity"], identity(service, facts)))
-        return out
-    except Exception as e:
-        return {"error": f"{type(e).__name__}: {e}"}
+def snapshot_problems(facts: Facts, policy) -> list[str]:
+    """Why a snapshot cannot be taken of this service on this host (empty: it can)."""
+    return all_strategies()["criu"].snapshot_problems(facts, policy)
 
 
-OVERLAP_SUPPORT = {
-    "reference": None,
-    "vllm": "vLLM's own interfaces have no prepare/activate split (its engine takes the device and the port as it starts)",
-    "sglang": "SGLang's interfaces have no prepare/activate split",
-}
-
-
-def overlap_problem(policy) -> str | None:
-    """Why an overlapped (or prestarted) ipc restart cannot apply to this service, or None."""
-    why_not = OVERLAP_SUPPORT.get(policy.service["engine"], "not supported by this engine adapter")
-    if why_not is None and policy.service["tensor_parallel_size"] > 1:
-        why_not = "an engine prepared beside the old one runs one rank only (tensor_parallel_size 1)"
-    return why_not
-
-
-def plan_for(service: Service, requested: str, reason: str) -> tuple[Plan, Facts]:
+def plan_for(service: Service, requested: str, reason: str, overlap: bool | None = None) -> tuple[Plan, Facts]:
     facts = gather_facts(service, reason)
-    plan = make_plan(facts, service.policy, requested, all_strategies())
-    if service.adapter is not None:
-        plan.notes.extend(service.adapter.plan_notes(service.policy))
-    host = service.policy.service["host"]
-    if host not in ("127.0.0.1", "::1", "localhost") and not host.startswith("127."):
-        plan.notes.append(f"[service] host binds {host}: other hosts reach the completions; the admin and sleep "
-                          "endpoints of the reference engine answer loopback only")
-    if service.policy.restart["overlap"]:
-        why_not = overlap_problem(service.policy)
-        plan.notes.append("overlap: ipc restarts prepare the new engine beside the old one" if why_not is None
-                          else f"overlap is on but does not apply: {why_not}")
-    return plan, facts
+    return make_plan(facts, service.policy, requested, all_strategies(), overlap), facts
 
 
 def restart(service: Service, requested: str = "auto", reason: str = "restart", strict: bool = False,
             say: Callable[[str], None] = lambda _m: None, overlap: bool | None = None,
             measure_downtime: bool = False) -> Record:
-    plan, facts = plan_for(service, requested, reason)
-    facts.overlap = service.policy.restart["overlap"] if overlap is None else overlap
-    if facts.overlap and plan.attempt != "ipc":
-        say(f"--overlap applies to ipc restarts only; this restart runs {plan.attempt} without it")
-        facts.overlap = False
-    if facts.overlap and (why_not := overlap_problem(service.policy)):
-        say(f"--overlap does not apply ({why_not}); this restart runs without it")
-        facts.overlap = False
+    plan, facts = plan_for(service, requested, reason, overlap)
+    if plan.overlap_dropped:
+        say(plan.overlap_dropped)
     probe = None
-    if facts.overlap or measure_downtime:
-        from restartkit.overlap import DowntimeProbe
+    if plan.overlap or measure_downtime:
+        from restartkit.downtime import DowntimeProbe
         probe = DowntimeProbe(service)
     rec = _restart(service, plan, facts, requested, reason, say, probe)
     if probe is not None:
@@ -123,9 +77,14 @@ def _restart(service: Service, plan: Plan, facts: Facts, requested: str, reason:
     say(f"running {primary}" + (f" (recovery: {plan.recovery})" if primary != plan.recovery else ""))
     if probe is not None:
         probe.start()  # after the baseline canary: the client measures the restart, not our own requests
-    outcome = _attempt(strategies[primary], service, facts, baseline, rec, role="primary",
-                       after_execute=probe.stop if probe is not None else None)
+    if plan.goes_straight_to_recovery:
+        rec.attempts.append({"strategy": requested, "role": "primary", "ok": False, "skipped": True,
+                             "error": f"{requested} is not eligible: " + "; ".join(plan.verdicts[requested].reasons)})
+    role = "recovery" if plan.goes_straight_to_recovery else "primary"
+    outcome, entry = _attempt(strategies[primary], service, facts, plan, baseline, role=role,
+                              after_execute=probe.stop if probe is not None else None)
     if not outcome.ok and outcome.old_still_serving:
+        rec.attempts.append(entry)
         rec.via_recovery = True
         rec.recovery_reason = f"{primary} failed before the old engine was stopped: {outcome.error}"
         say(rec.recovery_reason + "; the old engine keeps serving")
@@ -134,10 +93,7 @@ def _restart(service: Service, plan: Plan, facts: Facts, requested: str, reason:
         return rec
     if plan.goes_straight_to_recovery:
         rec.via_recovery = True
-        rec.recovery_reason = f"{requested} is not eligible: " + "; ".join(plan.verdicts[requested].reasons)
-        rec.attempts.insert(0, {"strategy": requested, "role": "primary", "ok": False, "skipped": True,
-                                "error": rec.recovery_reason})
-        rec.attempts[1]["role"] = "recovery"
+        rec.recovery_reason = rec.attempts[0]["error"]
     if not outcome.ok and primary != plan.recovery:
         rec.via_recovery = True
         rec.recovery_reason = f"{primary} failed: {outcome.error}"
@@ -145,9 +101,11 @@ def _restart(service: Service, plan: Plan, facts: Facts, requested: str, reason:
         cleared = service.clear_for_recovery([facts.service.pid, *outcome.pids, *service.intent.data.get("pids", [])],
                                              since_ticks)
         if cleared:
-            rec.attempts[-1]["killed_before_recovery"] = cleared
+            entry["killed_before_recovery"] = cleared
+        rec.attempts.append(entry)
         service.intent.update(strategy=plan.recovery, role="recovery")
-        outcome = _attempt(strategies[plan.recovery], service, facts, baseline, rec, role="recovery")
+        outcome, entry = _attempt(strategies[plan.recovery], service, facts, plan, baseline, role="recovery")
+    rec.attempts.append(entry)
     if outcome.ok and outcome.fallback:
         rec.via_recovery = True
         rec.recovery_reason = f"{outcome.strategy} served through its fallback: {outcome.fallback}"
@@ -173,10 +131,12 @@ def _baseline(service: Service, facts: Facts, reason: str, say) -> tuple[list | 
     return tokens, source
 
 
-def _attempt(strategy, service: Service, facts: Facts, baseline, rec: Record, role: str, after_execute=None) -> Outcome:
+def _attempt(strategy, service: Service, facts: Facts, plan: Plan, baseline, role: str,
+             after_execute=None) -> tuple[Outcome, dict]:
+    """Execute one strategy and verify its canary; returns the outcome and its record entry."""
     service.intent.update(strategy=strategy.name, role=role, reason=facts.reason)
     try:
-        outcome = strategy.execute(service, facts)
+        outcome = strategy.execute(service, facts, plan)
     except RestartkitError as e:
         outcome = Outcome(strategy.name, ok=False, error=e.message,
                           detail={"hint": e.hint, "log_tail": getattr(e, "log_tail", "")})
@@ -190,8 +150,7 @@ def _attempt(strategy, service: Service, facts: Facts, baseline, rec: Record, ro
             strategy.on_canary_failure(service, outcome)
     entry = outcome.to_dict()
     entry["role"] = role
-    rec.attempts.append(entry)
-    return outcome
+    return outcome, entry
 
 
 def _verify(service: Service, outcome: Outcome, baseline, reason: str) -> None:
@@ -227,16 +186,3 @@ def _close(service: Service, rec: Record, strict: bool) -> Record:
     rec.finish(strict)
     write_record(service, rec)
     return rec
-
-
-def write_record(service: Service, rec: Record) -> bool:
-    """history.jsonl and metrics.prom.  A record that cannot be written is printed on stderr
-    (never silently lost), and never turns a served restart into a failed command."""
-    try:
-        append_history(service.state_dir, rec)
-        update_metrics(service.state_dir, rec)
-        return True
-    except OSError as e:
-        print(f"restartkit: could not write the record of restart {rec.id} to {service.state_dir} ({e.strerror or e}); "
-              f"the record follows:\n{json.dumps(rec.to_dict(), default=str)}", file=sys.stderr)
-        return False

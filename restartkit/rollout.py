@@ -10,13 +10,13 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import subprocess
 import sys
 import time
 
 from restartkit import http
 from restartkit.errors import StrategyError
-from restartkit.policy import Policy
 from restartkit.restart import restart
 from restartkit.service import Service
 
@@ -54,9 +54,8 @@ def ensure_cache(service: Service, say) -> str:
         from restartkit.weightcache.client import daemon_stats
         if all(d.get("state") == "ready" for d in daemon_stats(pol)):
             return "the weight cache was already serving"
-        from restartkit.demo import _no_flags
-        from restartkit.weightcache.prelaunch import preload_command
-        rc = preload_command(pol.path, _no_flags(), detach=True, wait_ready=False, say=say)
+        from restartkit.weightcache.prelaunch import start_weight_cache
+        rc = start_weight_cache(pol, say)
         if rc:
             raise StrategyError(f"the weight cache did not start (exit {rc})", hint=f"see {service.state_dir}/weightcache.log")
         return "started the weight cache"
@@ -99,7 +98,7 @@ def ensure_cache(service: Service, say) -> str:
 
 def rollout(service: Service, say) -> list:
     say(ensure_cache(service, say))
-    strict = Policy(path=service.policy.path, sections=copy.deepcopy(service.policy.sections))
+    strict = dataclasses.replace(service.policy, sections=copy.deepcopy(service.policy.sections))
     strict.sections["ipc"]["fallback"] = False
     say("restart 1/2: ipc with fallback off (the cache must really serve)")
     first = restart(Service(strict), "ipc", "restart", strict=True, say=say)

@@ -14,14 +14,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from restartkit.contracts import FACT_TIMEOUT_S, ServiceFacts
 from restartkit.engines import get_adapter
 from restartkit.errors import EngineStartError, UsageError
-from restartkit.guard import Intent, proc_start_ticks
-from restartkit.strategies.base import ServiceFacts
-from restartkit.supervise import (EngineProcess, ProcState, Seam, kill_tree, listeners, port_has_listener, reap,
-                                  tree_pids)
-
-FACT_TIMEOUT_S = 3.0  # per question asked of a running engine while gathering facts: a hung one costs seconds
+from restartkit.files import write_json_atomic
+from restartkit.intent import Intent
+from restartkit.supervise import (EngineProcess, ProcState, Seam, kill_tree, listeners, port_has_listener,
+                                  proc_start_ticks, reap, tree_pids)
 
 
 @dataclass
@@ -50,12 +49,6 @@ class Started:
     ready_at: float = 0.0  # time.monotonic() when the readiness probe passed
 
 
-def write_json_atomic(path: Path, data) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
-
-
 class Service:
     def __init__(self, policy, seam: Seam | None = None):
         self.policy = policy
@@ -63,6 +56,11 @@ class Service:
         self.adapter, self.adapter_problem = get_adapter(policy.service["engine"])
         self.state_dir = policy.state_dir()
         self.intent = Intent(self.state_dir)  # written only once a guarded command has begun it
+
+    @classmethod
+    def from_policy_file(cls, path, state_root: str = "", seam: Seam | None = None) -> "Service":
+        from restartkit.policy import load_policy
+        return cls(load_policy(path, state_root), seam)
 
     # ---- files ----------------------------------------------------------------
     def ensure_state_dir(self) -> Path:
@@ -115,53 +113,26 @@ class Service:
             return False, True
 
     def service_facts(self) -> ServiceFacts:
+        """The facts every strategy shares; each strategy gathers its own beside them."""
         s = self.policy.service
         sf = ServiceFacts(engine=s["engine"], adapter_problem=self.adapter_problem)
         if self.adapter is None:
             return sf
         sf.model_problem = self.adapter.model_problem(self.policy)
         sf.engine_version = self.adapter.version()
+        sf.overlap_problem = self.adapter.overlap_problem(self.policy)
+        sf.engine_notes = self.adapter.plan_notes(self.policy)
         proc = self.current()
         if proc is not None:
             sf.engine_running, sf.pid = True, proc.pid
             # a hung engine must cost seconds here, not the minutes a loaded one may take to answer
-            sf.engine_ready, answered = self.probe(timeout_s=FACT_TIMEOUT_S)
+            sf.engine_ready, sf.engine_answered = self.probe(timeout_s=FACT_TIMEOUT_S)
             try:  # a busy engine may queue a completion past the probe's timeout; its stats answer at once
-                sf.extra["engine_stats"] = self.adapter.stats(self.policy, timeout=FACT_TIMEOUT_S)
-                answered = True
+                sf.stats = self.adapter.stats(self.policy, timeout=FACT_TIMEOUT_S)
+                sf.engine_answered = True
             except Exception:
                 pass
-            if answered:
-                try:
-                    sf.extra["sleep_state"] = self.adapter.sleep_state(self.policy, proc.pid)
-                except Exception as e:
-                    sf.extra["sleep_state"] = {"enabled": False, "why": f"could not ask the engine: {e}"}
-            else:
-                sf.extra["sleep_state"] = {"enabled": False, "asleep": None, "level": None,
-                                           "why": f"the engine does not answer within {FACT_TIMEOUT_S:.0f} s"}
-        if not sf.model_problem and self.policy.service["engine"] == "reference":
-            sf.extra["ipc"] = self.ipc_facts()
         return sf
-
-    def ipc_facts(self) -> dict:
-        """The daemons' states and fingerprints, and what the engine would ask for."""
-        try:
-            from restartkit.weightcache.client import daemon_stats, layout_from_policy
-            from restartkit.weightcache.fingerprint import checkpoint_digest, fingerprint
-            daemons = daemon_stats(self.policy)
-            if not any(d.get("state") == "ready" for d in daemons):
-                return {"daemons": daemons, "expected": []}
-            lay = layout_from_policy(self.policy)
-            expected = []  # in daemon_stats' order: the model's ranks, then the draft model's
-            for model, draft in lay.groups():
-                digest = checkpoint_digest(model)[0]
-                expected += [fingerprint(model, tp_size=lay.tp_size, tp_rank=r, dp_size=lay.dp_size,
-                                         dp_rank=lay.dp_start_rank, expert_parallel=lay.expert_parallel,
-                                         dtype=lay.dtype, quantization=lay.quantization, revision=lay.revision,
-                                         checkpoint=digest, draft=draft) for r in range(lay.tp_size)]
-            return {"daemons": daemons, "expected": expected}
-        except Exception as e:
-            return {"error": f"{type(e).__name__}: {e}"}
 
     def port_listening(self) -> bool:
         """Does anything listen on the service's port?  Read from /proc, not by connecting:

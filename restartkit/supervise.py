@@ -23,7 +23,7 @@ from typing import Callable
 import tenacity
 
 from restartkit.errors import EngineStartError
-from restartkit.guard import proc_start_ticks
+from restartkit.files import log_tail
 
 
 class ProcState(enum.Enum):
@@ -75,6 +75,27 @@ class Seam:
             return create_time is None or abs(p.create_time() - create_time) < 0.5
         except Exception:  # NoSuchProcess, AccessDenied on a foreign PID
             return False
+
+
+def proc_start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22):
+    with the PID, it names one process, and no clock step can change it."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+        return int(raw[raw.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def holder_alive(info: dict) -> bool:
+    pid = info.get("pid")
+    return bool(pid) and proc_start_ticks(pid) is not None and proc_start_ticks(pid) == info.get("start_ticks")
+
+
+def now_ticks() -> int:
+    """Now, in the clock ticks since boot that /proc/PID/stat's start times count."""
+    with open("/proc/uptime") as f:
+        return int(float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK"))
 
 
 def _exited(pid: int) -> bool:
@@ -186,18 +207,6 @@ def describe_exit(returncode: int | None) -> str:
     if returncode == 98:
         return "exited with code 98: its port is already in use"
     return f"exited with code {returncode}"
-
-
-def log_tail(path: Path | None, lines: int = 15) -> str:
-    if not path:
-        return ""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 8192))
-            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 @dataclass

@@ -1,33 +1,18 @@
-"""One module per strategy, one registry.  `get_strategy` is a dict lookup."""
+"""One module per strategy, one registry, in the order of restartkit.contracts.STRATEGY_NAMES
+(fastest first).  Only the restart flow looks strategies up."""
 from __future__ import annotations
 
-from restartkit.errors import UsageError
-from restartkit.strategies.base import BaseStrategy, Facts, Outcome, ServiceFacts, Verdict  # noqa: F401
-
-# Fastest first: the order `auto` tries when the policy gives none.
-DEFAULT_ORDER = ("sleep", "ipc", "criu", "cold")
+from restartkit.contracts import STRATEGY_NAMES
+from restartkit.strategies.base import BaseStrategy
 
 
-def _registry() -> dict[str, BaseStrategy]:
+def all_strategies() -> dict[str, BaseStrategy]:
     from restartkit.strategies.cold import ColdStrategy
     from restartkit.strategies.criu import CriuStrategy
     from restartkit.strategies.ipc import IPCStrategy
     from restartkit.strategies.sleep import SleepStrategy
 
-    return {
-        "sleep": SleepStrategy(),
-        "ipc": IPCStrategy(),
-        "criu": CriuStrategy(),
-        "cold": ColdStrategy(),
-    }
+    reg = {s.name: s for s in (SleepStrategy(), IPCStrategy(), CriuStrategy(), ColdStrategy())}
+    assert tuple(reg) == STRATEGY_NAMES, "a strategy is missing from the registry or from STRATEGY_NAMES"
+    return reg
 
-
-def all_strategies() -> dict[str, BaseStrategy]:
-    return _registry()
-
-
-def get_strategy(name: str) -> BaseStrategy:
-    reg = _registry()
-    if name not in reg:
-        raise UsageError(f"strategy {name!r} is not supported", hint=f"choose one of: auto, {', '.join(reg)}")
-    return reg[name]

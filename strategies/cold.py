@@ -2,14 +2,15 @@
 the recovery path of every other strategy."""
 from __future__ import annotations
 
-from restartkit.strategies.base import BaseStrategy, Facts, Outcome, adapter_available, model_loadable
+from restartkit.contracts import Facts, Outcome, Plan
+from restartkit.strategies.base import BaseStrategy, adapter_available, model_loadable
 
 
 class ColdStrategy(BaseStrategy):
     name = "cold"
     prerequisites = [adapter_available, model_loadable]
 
-    def execute(self, service, facts: Facts) -> Outcome:
+    def execute(self, service, facts: Facts, plan: Plan) -> Outcome:
         phases: dict[str, float] = {}
         started = service.restart_engine(self.name, phases=phases)
         return Outcome(self.name, ok=True, phases=phases, engine_phases=started.engine_phases, ready_at=started.ready_at,

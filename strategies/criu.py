@@ -11,15 +11,43 @@ from __future__ import annotations
 
 import time
 
-from restartkit.strategies.base import BaseStrategy, Facts, Outcome, adapter_available, model_loadable
-from restartkit.strategies.criu_checks import PREREQUISITES
+from restartkit.contracts import Facts, Outcome, Plan
+from restartkit.strategies.base import BaseStrategy, adapter_available, model_loadable
+from restartkit.strategies.criu_checks import PREREQUISITES, SNAPSHOT_PREREQUISITES, model_is_local
 
 
 class CriuStrategy(BaseStrategy):
     name = "criu"
     prerequisites = [adapter_available, model_loadable, *PREREQUISITES]
 
-    def execute(self, service, facts: Facts) -> Outcome:
+    def gather(self, service, facts: Facts) -> dict:
+        """The current snapshot and whether it fits this host (the host's identity, computed
+        once and handed to the restore); what the live engine holds."""
+        out: dict = {"model_local": model_is_local(service.policy.service["model"])}
+        if service.adapter is None or facts.service.model_problem:
+            return out
+        from restartkit.snapshot.cudackpt import fd_targets
+        from restartkit.snapshot.ops import identity, mismatches, store_for
+        from restartkit.supervise import tree_pids
+        if facts.service.pid:
+            fds = {p: fd_targets(p) for p in tree_pids(facts.service.pid)}
+            out["io_uring_pids"] = [p for p, t in fds.items() if any("io_uring" in x for x in t)]
+            out["ipc_attached"] = any("memfd:restartkit-arena" in x for t in fds.values() for x in t)
+        out["identity"] = identity(service, facts)
+        snap = store_for(service).current()
+        if snap is not None:
+            out.update(current=snap.id, suspect=snap.suspect, age_s=round(snap.age_s),
+                       tested=(snap.manifest.get("tested") or {}).get("ok"),
+                       image_bytes=snap.manifest.get("image_bytes"),
+                       mismatches=mismatches(snap.manifest["identity"], out["identity"]))
+        return out
+
+    @staticmethod
+    def snapshot_problems(facts: Facts, policy) -> list[str]:
+        """Why a snapshot cannot be taken of this service here (empty: it can)."""
+        return [r for r in (p(facts, policy) for p in SNAPSHOT_PREREQUISITES) if r]
+
+    def execute(self, service, facts: Facts, plan: Plan) -> Outcome:
         from restartkit.snapshot.ops import restore, store_for
         store = store_for(service)
         snap = store.current()

@@ -1,7 +1,7 @@
 """Prerequisites of the criu strategy: each a predicate with a reason a person can act on."""
 from __future__ import annotations
 
-from restartkit.strategies.base import Facts
+from restartkit.contracts import Facts
 
 MIN_CRIU = (4, 0)
 
@@ -44,7 +44,7 @@ IO_URING_ENGINES = ("vllm", "sglang")  # engines known to open an io_uring when 
 
 
 def io_uring_off(facts: Facts, policy) -> str | None:
-    held = (facts.service.extra.get("criu") or {}).get("io_uring_pids")
+    held = facts.of("criu").get("io_uring_pids")
     if held:
         return (f"the engine's process tree holds an io_uring (PID {held[0]}), which CRIU cannot dump; "
                 "set `sysctl -w kernel.io_uring_disabled=2` and restart the engine cold before snapshotting")
@@ -56,13 +56,13 @@ def io_uring_off(facts: Facts, policy) -> str | None:
 
 
 def not_ipc_attached(facts: Facts, policy) -> str | None:
-    if (facts.service.extra.get("criu") or {}).get("ipc_attached"):
+    if facts.of("criu").get("ipc_attached"):
         return "the engine maps its weights from a weight-cache daemon; CRIU (and the driver) cannot checkpoint shared memory"
     return None
 
 
 def disk_room(facts: Facts, policy) -> str | None:
-    need = (facts.service.extra.get("criu") or {}).get("estimated_image_bytes") or 0
+    need = facts.of("criu").get("estimated_image_bytes") or 0
     if need and facts.host.state_dir_free_bytes < need:
         return f"{need / 1e9:.1f} GB are needed for the image and {facts.host.state_dir_free_bytes / 1e9:.1f} GB are free"
     return None
@@ -80,7 +80,7 @@ def gpu_checkpoint_api(facts: Facts, policy) -> str | None:
 
 
 def snapshot_ready(facts: Facts, policy) -> str | None:
-    c = facts.service.extra.get("criu") or {}
+    c = facts.of("criu")
     if c.get("error"):
         return f"could not read the snapshot store: {c['error']}"
     if not c.get("current"):
@@ -92,10 +92,15 @@ def snapshot_ready(facts: Facts, policy) -> str | None:
     return None
 
 
-def revision_pinned(facts: Facts, policy) -> str | None:
+def model_is_local(model: str) -> bool:
+    """A checkpoint on this host (a directory or a single file), not a hub id (gathered: a stat)."""
     import os
+    return os.path.exists(os.path.expanduser(model))
+
+
+def revision_pinned(facts: Facts, policy) -> str | None:
     svc = policy.service
-    if svc["revision"] or os.path.exists(os.path.expanduser(svc["model"])):
+    if svc["revision"] or facts.of("criu").get("model_local"):
         return None  # a local checkpoint (directory or single file) is pinned in the snapshot's identity
     return (f"a snapshot is tied to exact weights: {svc['model']} is a hub id, so pin [service] revision "
             "to a 40-character commit id")

@@ -6,23 +6,17 @@ never silent: it is recorded as fallback(reason), and counts as a recovery.
 """
 from __future__ import annotations
 
-from restartkit.strategies.base import BaseStrategy, Facts, Outcome, adapter_available, model_loadable
+from restartkit.contracts import Facts, Outcome, Plan
+from restartkit.strategies.base import BaseStrategy, adapter_available, model_loadable
+from restartkit.strategies.ipc_overlap import draft_proof, overlapped_ipc
 
 
 def _ipc(facts: Facts) -> dict:
-    return facts.service.extra.get("ipc") or {}
-
-
-def _adapter(policy):
-    from restartkit.engines import get_adapter
-    return get_adapter(policy.service["engine"])[0]
+    return facts.of("ipc")
 
 
 def engine_supports_ipc(facts: Facts, policy) -> str | None:
-    adapter = _adapter(policy)
-    if adapter is None:
-        return None  # adapter_available says why
-    return adapter.feature_problems(policy).get("ipc", f"the {adapter.name} adapter cannot load through a weight cache")
+    return _ipc(facts).get("engine_problem")
 
 
 def no_pipeline_parallel(facts: Facts, policy) -> str | None:
@@ -42,18 +36,10 @@ def _daemon(d: dict) -> str:
     return f"{d['device_uuid']}{' (draft model)' if d.get('draft') else ''}"
 
 
-def draft_proof(load: dict) -> tuple[str, dict]:
-    """From an engine's load stats: "hit" when every rank attached its draft model from the weight
-    cache, else what the ranks did ("fallback", "disk", "hit/fallback", ...); and the draft's stats."""
-    draft = load.get("draft") or {}
-    ranks = draft.get("ranks") or [draft.get("ipc") or draft.get("source") or "not loaded"]
-    return ("hit" if all(r == "hit" for r in ranks) else "/".join(ranks)), draft
-
-
 def daemons_ready(facts: Facts, policy) -> str | None:
-    if policy.service["engine"] != "reference":
-        return engine_cache_healthy(policy)
     info = _ipc(facts)
+    if "engine_cache" in info:  # the engine's own weight cache (vLLM's `vllm preload`)
+        return info["engine_cache"]
     if "error" in info:
         return f"could not ask the weight-cache daemons: {info['error']}"
     bad = [d for d in info.get("daemons", []) if d.get("state") != "ready"]
@@ -86,7 +72,28 @@ def fingerprints_match(facts: Facts, policy) -> str | None:
 fingerprints_match.forceable = lambda policy: policy.ipc["fallback"] is True
 
 
-def engine_cache_healthy(policy) -> str | None:
+def daemon_facts(policy) -> dict:
+    """The daemons' states and fingerprints, and what the engine would ask for."""
+    try:
+        from restartkit.weightcache.client import daemon_stats, layout_from_policy
+        from restartkit.weightcache.fingerprint import checkpoint_digest, fingerprint
+        daemons = daemon_stats(policy)
+        if not any(d.get("state") == "ready" for d in daemons):
+            return {"daemons": daemons, "expected": []}
+        lay = layout_from_policy(policy)
+        expected = []  # in daemon_stats' order: the model's ranks, then the draft model's
+        for model, draft in lay.groups():
+            digest = checkpoint_digest(model)[0]
+            expected += [fingerprint(model, tp_size=lay.tp_size, tp_rank=r, dp_size=lay.dp_size,
+                                     dp_rank=lay.dp_start_rank, expert_parallel=lay.expert_parallel,
+                                     dtype=lay.dtype, quantization=lay.quantization, revision=lay.revision,
+                                     checkpoint=digest, draft=draft) for r in range(lay.tp_size)]
+        return {"daemons": daemons, "expected": expected}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def engine_cache_problem(policy) -> str | None:
     """An engine's own weight cache (vLLM's `vllm preload`): its health endpoint must say ready."""
     from restartkit import http
     i = policy.ipc
@@ -105,14 +112,25 @@ class IPCStrategy(BaseStrategy):
     prerequisites = [adapter_available, model_loadable, engine_supports_ipc, no_pipeline_parallel,
                      not_with_sleep_zero_copy, daemons_ready, fingerprints_match]
 
-    def execute(self, service, facts: Facts) -> Outcome:
-        if facts.overlap:
-            from restartkit.overlap import overlapped_ipc
+    def gather(self, service, facts: Facts) -> dict:
+        adapter = service.adapter
+        if adapter is None:
+            return {}
+        out = {"engine_problem": adapter.feature_problems(service.policy).get(
+            "ipc", f"the {adapter.name} adapter cannot load through a weight cache")}
+        if adapter.weight_cache == "engine":
+            out["engine_cache"] = engine_cache_problem(service.policy)
+        elif not facts.service.model_problem:
+            out.update(daemon_facts(service.policy))
+        return out
+
+    def execute(self, service, facts: Facts, plan: Plan) -> Outcome:
+        if plan.overlap:
             return overlapped_ipc(service, facts, self.name)
         phases: dict[str, float] = {}
         started = service.restart_engine(self.name, service.adapter.ipc_args(service.policy), phases)
-        if service.policy.service["engine"] == "vllm":
-            return self._vllm_proof(service, started, phases)
+        if service.adapter.ipc_proof_in_log:
+            return self._log_proof(service, started, phases)
         load = (started.stats or {}).get("load") or {}
         ranks = load.get("ranks") or [load.get("ipc")]
         proof = {"ipc": load.get("ipc"), "ranks": ranks, "mode": load.get("mode"),
@@ -132,18 +150,16 @@ class IPCStrategy(BaseStrategy):
         out.detail["fallback_reason"] = missed.get("fallback_reason")
         return out
 
-    def _vllm_proof(self, service, started, phases) -> Outcome:
+    def _log_proof(self, service, started, phases) -> Outcome:
         """vLLM says hit or fallback only in its log: read every rank's lines since this start."""
-        from restartkit.engines.vllm import parse_ipc_log
         with open(service.log_path, "rb") as f:
             f.seek(started.log_offset)
             text = f.read().decode(errors="replace")
-        s = service.policy.service
-        verdict = parse_ipc_log(text, s["tensor_parallel_size"] * s["data_parallel_size"])
+        verdict = service.adapter.ipc_log_verdict(service.policy, text)
         out = Outcome(self.name, ok=True, phases=phases, engine_phases=started.engine_phases, ready_at=started.ready_at,
                       proof={"ipc": verdict["ipc"], "ranks": verdict["ranks"], "source": "engine log"})
         if verdict["ipc"] == "unknown":
-            out.ok, out.error = False, "vLLM's log says neither hit nor fallback: the ipc path cannot be proven"
+            out.ok, out.error = False, f"{service.adapter.label}'s log says neither hit nor fallback: the ipc path cannot be proven"
         elif verdict["ipc"] != "hit":
             out.fallback = verdict["summary"]
         return out

@@ -10,27 +10,24 @@ from __future__ import annotations
 
 import time
 
-from restartkit.strategies.base import BaseStrategy, Facts, Outcome, adapter_available
+from restartkit.contracts import FACT_TIMEOUT_S, Facts, Outcome, Plan
+from restartkit.strategies.base import BaseStrategy, adapter_available
 
 SATISFIABLE = ("restart",)
 
 
 def _stats(facts: Facts) -> dict:
-    return facts.service.extra.get("engine_stats") or {}
+    return facts.service.stats
 
 
 def engine_supports_sleep(facts: Facts, policy) -> str | None:
-    from restartkit.engines import get_adapter
-    adapter = get_adapter(policy.service["engine"])[0]
-    if adapter is None:
-        return None
-    return adapter.feature_problems(policy).get("sleep", f"the {adapter.name} adapter cannot drive sleep mode")
+    return facts.of("sleep").get("engine_problem")
 
 
 def engine_alive_with_sleep_mode(facts: Facts, policy) -> str | None:
     if not facts.service.engine_running:
         return "the engine is not running: a sleep cycle needs the live process"
-    state = facts.service.extra.get("sleep_state") or {}
+    state = facts.of("sleep").get("state") or {}
     if not state.get("enabled"):
         return state.get("why") or "the running engine runs without sleep mode (it does not report one)"
     return None
@@ -54,11 +51,8 @@ def not_zero_copy_ipc(facts: Facts, policy) -> str | None:
 def host_memory_for_level_1(facts: Facts, policy) -> str | None:
     if policy.sleep["level"] != 1:
         return None
-    need = _stats(facts).get("weight_bytes")
-    if not need:  # engines that do not report it (vLLM): the checkpoint's size
-        from restartkit.engines import get_adapter
-        adapter = get_adapter(policy.service["engine"])[0]
-        need = (adapter.sleep_expected_bytes(policy, {}) if adapter else None) or 0
+    # engines that do not report it (vLLM): the checkpoint's size
+    need = _stats(facts).get("weight_bytes") or facts.of("sleep").get("checkpoint_bytes") or 0
     if need > facts.host.mem_available_bytes:
         return (f"level 1 parks {need / 1e9:.1f} GB of weights in host memory and only "
                 f"{facts.host.mem_available_bytes / 1e9:.1f} GB are available; use [sleep] level = 2")
@@ -70,10 +64,30 @@ class SleepStrategy(BaseStrategy):
     prerequisites = [adapter_available, engine_supports_sleep, engine_alive_with_sleep_mode, reason_fits,
                      not_zero_copy_ipc, host_memory_for_level_1]
 
-    def execute(self, service, facts: Facts) -> Outcome:
+    def gather(self, service, facts: Facts) -> dict:
+        adapter, pol = service.adapter, service.policy
+        if adapter is None:
+            return {}
+        out = {"engine_problem": adapter.feature_problems(pol).get(
+            "sleep", f"the {adapter.name} adapter cannot drive sleep mode")}
+        if pol.sleep["level"] == 1 and not facts.service.stats.get("weight_bytes"):
+            out["checkpoint_bytes"] = adapter.sleep_expected_bytes(pol, {})
+        if not facts.service.engine_running:
+            return out
+        if facts.service.engine_answered:
+            try:
+                out["state"] = adapter.sleep_state(pol, facts.service.pid)
+            except Exception as e:
+                out["state"] = {"enabled": False, "why": f"could not ask the engine: {e}"}
+        else:
+            out["state"] = {"enabled": False, "asleep": None, "level": None,
+                            "why": f"the engine does not answer within {FACT_TIMEOUT_S:.0f} s"}
+        return out
+
+    def execute(self, service, facts: Facts, plan: Plan) -> Outcome:
         from restartkit.sleepcycle import Cycle, SleepCycleError
         pol = service.policy
-        state = service.adapter.sleep_state(pol, facts.service.pid)
+        state = facts.of("sleep").get("state") or {}
         level = state.get("level") or pol.sleep["level"]
         cycle = Cycle(service, facts.service.pid, level)
         out = Outcome(self.name, ok=False, phases=cycle.phases, proof=cycle.proof)

@@ -80,15 +80,18 @@ def test_a_single_file_checkpoint_is_pinned_for_snapshots(tmp_path):
     snapshot's identity changes when the file does."""
     import os
 
+    from restartkit.contracts import Facts, ServiceFacts
     from restartkit.policy import parse_policy
     from restartkit.snapshot.ops import local_checkpoint_identity
-    from restartkit.strategies.criu_checks import revision_pinned
+    from restartkit.strategies.criu_checks import model_is_local, revision_pinned
     model = tmp_path / "model.gguf"
     model.write_bytes(b"GGUF" + b"\0" * 100)
     pol = lambda m: parse_policy({"service": {"name": "s", "engine": "command", "model": m,  # noqa: E731
                                               "command": ["srv", "{model}"]}})
-    assert revision_pinned(None, pol(str(model))) is None
-    assert "hub id" in revision_pinned(None, pol("org/model"))
+    gathered = lambda m: Facts(host=None, service=ServiceFacts(engine="command"),  # noqa: E731
+                               strategy={"criu": {"model_local": model_is_local(m)}})
+    assert revision_pinned(gathered(str(model)), pol(str(model))) is None
+    assert "hub id" in revision_pinned(gathered("org/model"), pol("org/model"))
     before = local_checkpoint_identity(str(model))
     model.write_bytes(b"GGUF" + b"\1" * 101)
     os.utime(model, ns=(1, 1))

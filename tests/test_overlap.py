@@ -101,18 +101,18 @@ def test_overlapped_restart_under_load(overlap_service):
 def test_a_new_engine_that_fails_to_prepare_leaves_the_old_one_serving(overlap_service):
     policy, launcher = overlap_service
     old_pid = json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]
-    from restartkit.policy import load_policy
+    from restartkit.planner import make_plan
     from restartkit.restart import gather_facts
     from restartkit.service import Service
     from restartkit.strategies import all_strategies
-    svc = Service(load_policy(policy))
+    svc = Service.from_policy_file(policy)
     facts = gather_facts(svc, "restart")
-    assert all_strategies()["ipc"].check(facts, svc.policy).eligible
-    facts.overlap = True
+    plan = make_plan(facts, svc.policy, "ipc", all_strategies(), overlap=True)
+    assert plan.verdicts["ipc"].eligible and plan.overlap
     # the fault: the weight cache goes away after the plan; fallback is off, so the new engine cannot prepare
     launcher.send_signal(signal.SIGTERM)
     launcher.wait(15)
-    out = all_strategies()["ipc"].execute(svc, facts)
+    out = all_strategies()["ipc"].execute(svc, facts, plan)
     assert not out.ok and out.old_still_serving
     assert "before the old one was stopped" in out.error and "fallback is off" in out.error
     status = json.loads(run_cli("status", "--policy", policy, "--json").stdout)

@@ -3,7 +3,8 @@ from restartkit.facts import CriuFacts, HostFacts
 from restartkit.planner import make_plan, render_plan
 from restartkit.policy import parse_policy
 from restartkit.strategies import all_strategies
-from restartkit.strategies.base import BaseStrategy, Facts, ServiceFacts
+from restartkit.contracts import Facts, ServiceFacts
+from restartkit.strategies.base import BaseStrategy
 
 
 def host(**kw) -> HostFacts:
@@ -40,12 +41,12 @@ def test_auto_runs_the_first_eligible_in_the_default_order():
 def test_a_criu_plan_says_when_its_snapshot_was_never_test_restored():
     strategies = {n: Always(n) for n in ("sleep", "ipc", "criu", "cold")}
     f = facts()
-    f.service.extra["criu"] = {"current": "20261130-1", "tested": None}
+    f.strategy["criu"] = {"current": "20261130-1", "tested": None}
     plan = make_plan(f, policy(), "criu", strategies)
     assert any("20261130-1 has never been test-restored" in n for n in plan.notes), plan.notes
-    f.service.extra["criu"]["tested"] = True
+    f.strategy["criu"]["tested"] = True
     assert not any("test-restored" in n for n in make_plan(f, policy(), "criu", strategies).notes)
-    f.service.extra["criu"]["tested"] = None  # not a criu restart: nothing to say
+    f.strategy["criu"]["tested"] = None  # not a criu restart: nothing to say
     assert not any("test-restored" in n for n in make_plan(f, policy(), "ipc", strategies).notes)
 
 
@@ -80,11 +81,11 @@ def test_real_registry_explains_each_strategy():
 
 def test_ipc_reasons_name_the_daemon_and_the_fields():
     f = facts()
-    f.service.extra["ipc"] = {"daemons": [{"device_uuid": "cpu-x-rank0", "state": "absent"}], "expected": []}
+    f.strategy["ipc"] = {"daemons": [{"device_uuid": "cpu-x-rank0", "state": "absent"}], "expected": []}
     reasons = all_strategies()["ipc"].check(f, policy()).reasons
     assert any("restartkit preload" in r for r in reasons)
     fp = {"checkpoint": "a", "dtype": "float32"}
-    f.service.extra["ipc"] = {"daemons": [{"device_uuid": "GPU-1", "state": "ready", "fingerprint": fp}],
+    f.strategy["ipc"] = {"daemons": [{"device_uuid": "GPU-1", "state": "ready", "fingerprint": fp}],
                               "expected": [{**fp, "dtype": "bfloat16"}]}
     reasons = all_strategies()["ipc"].check(f, policy()).reasons
     assert reasons == ["the daemon holds other weights than the engine wants: GPU-1: dtype differs (daemon 'float32', engine 'bfloat16')"]
@@ -117,13 +118,63 @@ def test_criu_missing_binary_names_the_installer():
 
 def test_sleep_cannot_apply_new_code_and_says_so():
     f = facts(reason="code")
-    f.service.extra["engine_stats"] = {"sleep": {"enabled": True}, "weight_bytes": 10}
-    f.service.extra["sleep_state"] = {"enabled": True, "asleep": False}
+    f.service.stats = {"sleep": {"enabled": True}, "weight_bytes": 10}
+    f.strategy["sleep"] = {"state": {"enabled": True, "asleep": False}}
     reasons = all_strategies()["sleep"].check(f, policy()).reasons
     assert reasons == ["the restart is for new code: a sleep cycle keeps the process, so it applies no new code, flags or weights"]
     f = facts(reason="restart", mem_available_bytes=5)
-    f.service.extra["engine_stats"] = {"sleep": {"enabled": True}, "weight_bytes": 10,
-                                       "load": {"source": "ipc", "mode": "zero_copy"}}
-    f.service.extra["sleep_state"] = {"enabled": True, "asleep": False}
+    f.service.stats = {"sleep": {"enabled": True}, "weight_bytes": 10, "load": {"source": "ipc", "mode": "zero_copy"}}
+    f.strategy["sleep"] = {"state": {"enabled": True, "asleep": False}}
     reasons = " | ".join(all_strategies()["sleep"].check(f, policy()).reasons)
     assert "zero_copy" in reasons and "level 1 parks" in reasons
+
+
+def test_the_planner_is_pure():
+    """Facts built once; then planning (every real strategy's check, the overlap decision, the
+    notes) and rendering run with sockets, HTTP, file opens, stat, processes and sleeping made
+    to raise.  A predicate that asks the world instead of the gathered facts fails here."""
+    import builtins
+    import contextlib
+    import http.client
+    import io
+    import os
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    import restartkit.weightcache.fingerprint  # noqa: F401  (imported by a predicate: loaded before, as in a command)
+
+    f = facts()
+    f.service.stats = {"sleep": {"enabled": True}, "weight_bytes": 10, "reuse_port": True}
+    f.service.engine_notes = ["an engine note"]
+    f.strategy = {"sleep": {"engine_problem": None, "state": {"enabled": True, "asleep": False}},
+                  "ipc": {"engine_problem": None,
+                          "daemons": [{"device_uuid": "cpu-x-rank0", "state": "ready", "fingerprint": {"dtype": "f"}}],
+                          "expected": [{"dtype": "f"}]},
+                  "criu": {"model_local": True, "current": "20261130-1", "tested": None, "mismatches": [],
+                           "identity": {"python": "3.11"}}}
+    p = parse_policy({"service": {"name": "s", "model": "/m", "host": "0.0.0.0"},
+                      "restart": {"overlap": True}, "sleep": {"enabled": True}, "ipc": {"mode": "copy"}})
+
+    def forbidden(*_a, **_k):
+        raise AssertionError("I/O while planning")
+    targets = [(socket, "socket"), (socket, "create_connection"), (builtins, "open"), (io, "open"), (os, "open"),
+               (os, "stat"), (os, "lstat"), (os, "listdir"), (os, "scandir"), (os, "kill"), (subprocess, "Popen"),
+               (subprocess, "run"), (urllib.request, "urlopen"), (http.client.HTTPConnection, "request"),
+               (time, "sleep")]
+    strategies = all_strategies()
+    with contextlib.ExitStack() as stack:
+        for obj, name in targets:
+            original = getattr(obj, name)
+            setattr(obj, name, forbidden)
+            stack.callback(setattr, obj, name, original)
+        with __import__("pytest").raises(AssertionError):
+            os.stat("/")  # the trap works
+        plans = {req: make_plan(f, p, req, strategies) for req in ("auto", "ipc", "criu", "cold")}
+        assert not make_plan(f, p, "ipc", strategies, overlap=False).overlap  # the command line wins
+        text = render_plan(plans["auto"])
+    assert plans["auto"].attempt == "sleep" and plans["auto"].overlap_dropped  # overlap is for ipc only
+    assert plans["ipc"].overlap and not plans["cold"].overlap
+    assert any("never been test-restored" in n for n in plans["criu"].notes)
+    assert "an engine note" in text and "host binds 0.0.0.0" in text

@@ -99,11 +99,11 @@ def test_sleep_cycle_speaks_vllms_http_interface(make_policy, vllm_model, servic
     """The whole cycle against a real vLLM server: sleep with an explicit level, /is_sleeping, wake
     by tags, reload after level 2.  The CPU build serves these endpoints (VLLM_SERVER_DEV_MODE=1)
     but its workers ignore sleep, so memory is never released: the check must catch that."""
-    from restartkit.cli import load
+    from restartkit.service import Service
     from restartkit.sleepcycle import Cycle, SleepCycleError
     policy = _vllm_policy(make_policy, vllm_model, service_cleanup, env=', VLLM_SERVER_DEV_MODE = "1"')
     assert run_cli("start", "--policy", policy, timeout=600).returncode == 0
-    svc = load(str(policy))
+    svc = Service.from_policy_file(policy)
     pid = svc.current().pid
     before = svc.canary()
     state = svc.adapter.sleep_state(svc.policy, pid)
@@ -236,8 +236,9 @@ def test_vllm_level_1_needs_host_memory_for_the_checkpoint(tmp_path):
     """vLLM does not report its weights' size: level 1 is judged by the checkpoint's."""
     from restartkit.facts import CriuFacts, HostFacts
     from restartkit.policy import parse_policy
-    from restartkit.strategies.base import Facts, ServiceFacts
-    from restartkit.strategies.sleep import host_memory_for_level_1
+    from restartkit.contracts import Facts, ServiceFacts
+    from restartkit.service import Service
+    from restartkit.strategies.sleep import SleepStrategy, host_memory_for_level_1
     (tmp_path / "model-00001-of-00001.safetensors").write_bytes(b"\0" * 4096)
     p = parse_policy({"service": {"name": "v", "engine": "vllm", "model": str(tmp_path), "device": "cuda"},
                       "sleep": {"enabled": True, "level": 1}})
@@ -245,6 +246,7 @@ def test_vllm_level_1_needs_host_memory_for_the_checkpoint(tmp_path):
                      python="3.11", cpu_count=2, mem_total_bytes=1 << 30, mem_available_bytes=1000,
                      io_uring_disabled=2, criu=CriuFacts(path=None, source="", version=None, check_ok=False))
     f = Facts(host=host, service=ServiceFacts(engine="vllm"))
+    f.strategy["sleep"] = SleepStrategy().gather(Service(p), f)  # the checkpoint's size, asked once
     assert "parks 0.0 GB" in host_memory_for_level_1(f, p) and "level = 2" in host_memory_for_level_1(f, p)
     f.host.mem_available_bytes = 1 << 20
     assert host_memory_for_level_1(f, p) is None

@@ -15,6 +15,7 @@ class LaunchSpec:
 
 class EngineAdapter:
     name = "base"
+    label = "the engine"  # how messages name it
     waits_for_previous = False  # can a new engine start while the old one tears down (see Service.hand_over)?
     # does the engine write a byte to the file descriptor in RESTARTKIT_READY_FD once it is ready (and close it)?
     # restartkit then probes at once instead of polling; the probe (a real completion) still decides
@@ -68,6 +69,21 @@ class EngineAdapter:
     def feature_problems(self, policy) -> dict[str, str | None]:
         """Why each optional feature (ipc, sleep) is not available with this engine here (None: available)."""
         return {}
+
+    # ---- capabilities ------------------------------------------------------
+    # whose weight cache the ipc strategy attaches from: "restartkit" (restartkit's daemons, asked over
+    # their sockets) or "engine" (the engine's own, e.g. `vllm preload`, seen through [ipc] health_port)
+    weight_cache = "engine"
+    ipc_proof_in_log = False  # does the engine say hit or fallback only in its log (see ipc_log_verdict)?
+
+    def ipc_log_verdict(self, policy, text: str) -> dict:
+        """{"ipc": "hit" | "fallback" | "mixed" | "unknown", "ranks": [...], "summary": str} from the log."""
+        raise NotImplementedError(f"the {self.name} adapter reports its weight source in its stats")
+
+    def overlap_problem(self, policy) -> str | None:
+        """Why a new engine cannot be prepared beside the old one (an overlapped or prestarted
+        ipc restart), or None when it can."""
+        return "not supported by this engine adapter"
 
     def plan_notes(self, policy) -> list[str]:
         """What `plan` should say about this engine beyond the strategies' reasons."""

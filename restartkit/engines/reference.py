@@ -12,6 +12,13 @@ class ReferenceAdapter(EngineAdapter):
     name = "reference"
     waits_for_previous = True  # RESTARTKIT_AFTER_PID: allocates device memory only once its predecessor exited
     signals_ready = True  # RESTARTKIT_READY_FD: one byte when ready, then the pipe is closed
+    label = "the reference engine"
+    weight_cache = "restartkit"
+
+    def overlap_problem(self, policy) -> str | None:
+        if policy.service["tensor_parallel_size"] > 1:
+            return "an engine prepared beside the old one runs one rank only (tensor_parallel_size 1)"
+        return None
 
     def launch(self, policy, extra_args=()) -> LaunchSpec:
         s = policy.service
@@ -44,7 +51,8 @@ class ReferenceAdapter(EngineAdapter):
         """Flags that make the engine load through the weight cache."""
         import json
         i = policy.ipc
-        cfg = {k: i[k] for k in ("mode", "fallback", "connect_timeout_s", "state_timeout_s", "socket_dir")}
+        from restartkit.weightcache.loader import LOADER_KEYS
+        cfg = {k: i[k] for k in LOADER_KEYS}
         return ["--load-format", "ipc_cache", "--ipc-config", json.dumps(cfg)]
 
     def version(self) -> str:

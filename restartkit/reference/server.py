@@ -392,7 +392,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def serve(args: argparse.Namespace) -> int:
     global _READY_FD
-    _READY_FD = os.environ.pop("RESTARTKIT_READY_FD", None)  # not for the workers this engine starts
+    _READY_FD = os.environ.get("RESTARTKIT_READY_FD")
     if args.worker_rank > 0:
         return serve_worker(args)
     if args.prepare_only:
@@ -453,7 +453,8 @@ def spawn_workers(args) -> list:
     base = [sys.executable, "-m", "restartkit.reference.server"] + _rebuild_argv(args)
     procs = []
     for rank in range(1, args.tensor_parallel_size):
-        procs.append(subprocess.Popen(base + ["--worker-rank", str(rank)], preexec_fn=_die_with_parent))
+        env = {k: v for k, v in os.environ.items() if k != "RESTARTKIT_READY_FD"}  # the ready pipe is rank 0's
+        procs.append(subprocess.Popen(base + ["--worker-rank", str(rank)], env=env, preexec_fn=_die_with_parent))
     return procs
 
 

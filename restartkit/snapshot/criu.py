@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from restartkit.errors import StrategyError
+from restartkit.files import log_tail
 
 PYCRIU_DIRS = ["/opt/restartkit/criu/python"]
 # Deleted files a process still maps (shared-memory segments, semaphores) are
@@ -43,13 +44,6 @@ class CriuError(StrategyError):
     def __init__(self, message: str, log_tail: str = ""):
         super().__init__(message, hint="the CRIU log tail is in the record" if log_tail else None)
         self.log_tail = log_tail
-
-
-def log_tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 def _pycriu():

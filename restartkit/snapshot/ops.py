@@ -82,6 +82,12 @@ def identity(service, facts) -> dict:
     }
 
 
+def host_identity(service, facts) -> dict:
+    """This host's identity as the criu strategy gathered it (computed once per command:
+    it reads the checkpoint's digest), or computed now for facts gathered without it."""
+    return facts.of("criu").get("identity") or identity(service, facts)
+
+
 def mismatches(snapshot_identity: dict, host_identity: dict) -> list[str]:
     return [f"{k}: snapshot {snapshot_identity.get(k)!r}, host {host_identity.get(k)!r}"
             for k in sorted(set(snapshot_identity) | set(host_identity))
@@ -121,7 +127,7 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
                  "(files 0600 in a 0700 directory; [criu] refuse_secrets = true refuses instead)")
     progress("taking the canary")
     canary = service.canary()
-    ident = identity(service, facts)
+    ident = host_identity(service, facts)
     adapter, pol = service.adapter, service.policy
     gpu = any(uses_cuda(p) for p in pids)
     cuda = CudaCheckpoint() if gpu else None
@@ -291,7 +297,7 @@ def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict]:
     say nothing about the snapshot.  One deadline, [restart] start_timeout_s,
     bounds everything after CRIU's own restore (KV cache back, readiness)."""
     phases: dict[str, float] = {}
-    miss = mismatches(snap.manifest["identity"], identity(service, facts))
+    miss = mismatches(snap.manifest["identity"], host_identity(service, facts))
     if miss:
         raise StrategyError("the snapshot does not match this host: " + "; ".join(miss))
     t = time.monotonic()

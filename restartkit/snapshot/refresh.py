@@ -27,7 +27,7 @@ def refresh(service, facts, force: bool = False, say=print) -> int:
 
 
 def _refresh(service, facts, force: bool, say) -> int:
-    from restartkit.snapshot.ops import create, identity, mismatches, store_for
+    from restartkit.snapshot.ops import create, host_identity, mismatches, store_for
     store = store_for(service)
     store.ensure()
     lock_path = store.root / ".refresh.lock"
@@ -42,7 +42,7 @@ def _refresh(service, facts, force: bool, say) -> int:
         cur = store.current()
         max_age = service.policy.criu["max_age_h"] * 3600
         if cur and not force and not cur.suspect and cur.age_s < max_age:
-            miss = mismatches(cur.manifest["identity"], identity(service, facts))
+            miss = mismatches(cur.manifest["identity"], host_identity(service, facts))
             if not miss:
                 say(f"{service.policy.name}: snapshot {cur.id} is current ({cur.age_s / 3600:.1f} h old); nothing to do")
                 return EXIT_OK

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from restartkit.files import write_json_atomic
+
 MANIFEST = "manifest.json"
 
 
@@ -78,7 +80,7 @@ class SnapshotStore:
 
     def commit(self, path: Path, manifest: dict, make_current: bool = True) -> Snapshot:
         """Write the manifest, then (unless told not to) point `current` at it (both atomic)."""
-        write_json(path / MANIFEST, manifest)
+        write_json_atomic(path / MANIFEST, manifest)
         snap = Snapshot(path, manifest)
         if make_current:
             self.make_current(snap)
@@ -101,7 +103,7 @@ class SnapshotStore:
 
     def save(self, snap: Snapshot) -> None:
         """Write back a snapshot's manifest after a change to it (atomic)."""
-        write_json(snap.path / MANIFEST, snap.manifest)
+        write_json_atomic(snap.path / MANIFEST, snap.manifest)
 
     def prune(self, keep: int) -> list[str]:
         """Keep the newest `keep` complete snapshots and `current`; drop the rest and any leftovers."""
@@ -124,15 +126,6 @@ def _owner_alive(sid: str) -> bool:
         return os.path.exists(f"/proc/{int(sid.rsplit('-', 1)[1])}")
     except (ValueError, IndexError):
         return False
-
-
-def write_json(path: Path, data) -> None:
-    """Atomic, owner-only (a manifest names the engine's argv)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with open(fd, "w") as f:
-        f.write(json.dumps(data, indent=2))
-    os.replace(tmp, path)
 
 
 def dir_bytes(path: Path) -> int:

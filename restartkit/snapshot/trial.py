@@ -51,11 +51,11 @@ def test_restore(service, facts, snap, say=lambda _m: None) -> dict:
     """Restore a copy of `snap` beside the serving engine and compare its canary with the one
     taken at dump time.  Returns {"ok", "canary_identical", "tokens", "phases", "error"};
     records the result in the snapshot's manifest ("tested").  Never touches the serving engine."""
-    from restartkit.snapshot.ops import identity, image_damage, mismatches, store_for
+    from restartkit.snapshot.ops import host_identity, image_damage, mismatches, store_for
     binary = facts.host.criu.path
     if problem := why_not(snap.manifest, binary, service.policy.service["host"]):
         raise StrategyError(problem)
-    if miss := mismatches(snap.manifest["identity"], identity(service, facts)):
+    if miss := mismatches(snap.manifest["identity"], host_identity(service, facts)):
         raise StrategyError(f"snapshot {snap.id} does not match this host: " + "; ".join(miss))
     if damaged := image_damage(snap):
         raise StrategyError(f"snapshot {snap.id}'s images are damaged: " + "; ".join(damaged))
@@ -63,7 +63,8 @@ def test_restore(service, facts, snap, say=lambda _m: None) -> dict:
     deadline = pol.criu["restore_timeout_s"] + pol.restart["start_timeout_s"] + 60
     argv = ["unshare", "--pid", "--net", "--mount", "--fork", "--kill-child", "--mount-proc",
             sys.executable, "-m", "restartkit.snapshot.trial", "--policy", str(pol.path), "--images", str(snap.path),
-            "--criu", binary, "--engine-log", str(service.log_path), "--timeout", str(pol.criu["restore_timeout_s"])]
+            "--criu", binary, "--engine-log", str(service.log_path), "--timeout", str(pol.criu["restore_timeout_s"]),
+            "--state-root", pol.state_root]
     say(f"restoring a copy of {snap.id} in its own namespaces (the engine keeps serving)")
     t0 = time.monotonic()
     try:
@@ -113,12 +114,12 @@ def _private_shm() -> None:
 
 
 def _inside(args) -> dict:
-    from restartkit.cli import load
+    from restartkit.service import Service
     from restartkit.snapshot.criu import Criu, put_back_shm
     images = Path(args.images)
     phases: dict[str, float] = {}
     try:  # failing here says nothing about the snapshot
-        service = load(args.policy)
+        service = Service.from_policy_file(args.policy, args.state_root)
         adapter, pol = service.adapter, service.policy
         _loopback_up()
         _private_shm()
@@ -160,6 +161,7 @@ def main(argv=None) -> int:
     p.add_argument("--criu", required=True)
     p.add_argument("--engine-log", required=True)
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--state-root", default="")
     args = p.parse_args(argv)
     if os.getpid() != 1:
         print(json.dumps({"ok": False, "error": "not PID 1 of new namespaces: run through test_restore()"}))

@@ -30,11 +30,10 @@ def daemon_stats(policy) -> list[dict]:
     model's): its daemon's stats, or why there are none."""
     lay = layout_from_policy(policy)
     out = []
-    sdir = protocol.socket_dir(lay.socket_dir)
     for _, draft in lay.groups():
         # the engine's ranks: DP rank 0 of this service (one replica per policy)
         for uuid in expected_uuids(lay)[: lay.tp_size]:
-            path = sdir / protocol.socket_name(uuid, draft)
+            path = protocol.socket_path(uuid, draft, lay.socket_dir)
             where = {"device_uuid": uuid, "socket": str(path), "draft": draft}
             try:
                 reply, fds = protocol.request(path, {"op": "stats"}, timeout=5.0,
@@ -50,11 +49,10 @@ def daemon_stats(policy) -> list[dict]:
 
 def send_all(policy, op: str, force: bool = False) -> list[dict]:
     lay = layout_from_policy(policy)
-    sdir = protocol.socket_dir(lay.socket_dir)
     out = []
     for _, draft in lay.groups():
         for uuid in expected_uuids(lay):
-            path = sdir / protocol.socket_name(uuid, draft)
+            path = protocol.socket_path(uuid, draft, lay.socket_dir)
             try:
                 reply, fds = protocol.request(path, {"op": op, "force": force}, timeout=10.0)
                 protocol._close(fds)

@@ -258,9 +258,8 @@ def main(argv=None) -> int:
     set_parent_death_signal()
     block_stop_signals()
     d = Daemon(args)
-    sdir = protocol.socket_dir(args.socket_dir, create=True)
-    name = protocol.socket_name(args.device_uuid, args.draft)
-    sock_path, lock_path = sdir / name, sdir / (name + ".lock")
+    sock_path = protocol.socket_path(args.device_uuid, args.draft, args.socket_dir, create=True)
+    lock_path = sock_path.with_name(sock_path.name + ".lock")
     try:
         lock_fd = take_lock(lock_path)
     except RuntimeError as e:

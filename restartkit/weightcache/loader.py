@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from restartkit.weightcache import protocol
-
-DEFAULTS = {"mode": "zero_copy", "fallback": True, "connect_timeout_s": 5.0, "state_timeout_s": 300.0, "socket_dir": ""}
 
 
 class IPCUnavailable(Exception):
@@ -51,6 +49,12 @@ class IPCConfig:
         return cls(**cfg)
 
 
+# The loader's config keys and their defaults, declared once (the fields above); the policy's
+# [ipc] section and the engine adapters pass exactly these.
+DEFAULTS = {f.name: f.default for f in fields(IPCConfig)}
+LOADER_KEYS = tuple(DEFAULTS)
+
+
 def _attach_once(path, hello: dict, cfg: IPCConfig) -> tuple[dict, list[int]]:
     try:
         reply, fds = protocol.request(path, {**hello, "op": "attach", "mode": cfg.mode},
@@ -80,8 +84,7 @@ def attach(engine, raw_config: dict, device_uuid: str, fingerprint: dict, draft:
     from restartkit.weightcache.arena import open_cuda, open_memfd, views
 
     cfg = IPCConfig.parse(raw_config)
-    sdir = protocol.socket_dir(cfg.socket_dir)
-    path = sdir / protocol.socket_name(device_uuid, draft)
+    path = protocol.socket_path(device_uuid, draft, cfg.socket_dir)
     hello = {"protocol": protocol.PROTOCOL_VERSION, "device_uuid": device_uuid, "fingerprint": fingerprint}
     t0 = time.perf_counter()
     deadline = time.monotonic() + cfg.state_timeout_s

@@ -17,13 +17,28 @@ FLAG_TO_LAYOUT = {"model": "model", "tensor_parallel_size": "tp_size", "data_par
                   "socket_dir": "socket_dir"}
 
 
-def build(policy_path: str | None, flags: dict):
+NO_FLAGS = {**{k: None for k in FLAG_TO_LAYOUT}, "startup_timeout": None, "health_host": None, "health_port": None}
+
+
+def start_weight_cache(policy, say) -> int:
+    """Start the policy's weight cache in the background and return once every local rank
+    is ready (`restartkit preload --detach`); the exit code of that command."""
+    return preload_command(policy.path, NO_FLAGS, detach=True, wait_ready=False, say=say, state_root=policy.state_root)
+
+
+def stop_weight_cache(policy) -> list[dict]:
+    """Stop every daemon of the policy's weight cache, attached engines or not."""
+    from restartkit.weightcache.client import send_all
+    return send_all(policy, "stop", force=True)
+
+
+def build(policy_path: str | None, flags: dict, state_root: str = ""):
     from restartkit.weightcache.client import layout_from_policy
     from restartkit.weightcache.launcher import Layout
     policy = None
     if policy_path:
         from restartkit.policy import load_policy
-        policy = load_policy(policy_path)
+        policy = load_policy(policy_path, state_root)
         layout = layout_from_policy(policy)
         i = policy.ipc
         timeout, host, port = i["startup_timeout_s"], i["health_host"], i["health_port"]
@@ -52,9 +67,8 @@ def wait_until_ready(layout, timeout: float, say, health: str | None = None) -> 
     (`health`: its URL), that says ready too: the launcher notices its ranks a moment after they serve."""
     from restartkit.weightcache import protocol
     from restartkit.weightcache.launcher import expected_uuids
-    sdir = protocol.socket_dir(layout.socket_dir)
     uuids = expected_uuids(layout)
-    paths = [sdir / protocol.socket_name(u, draft) for _, draft in layout.groups() for u in uuids]
+    paths = [protocol.socket_path(u, draft, layout.socket_dir) for _, draft in layout.groups() for u in uuids]
     deadline = time.monotonic() + timeout
     states: dict = {}
     while time.monotonic() < deadline:
@@ -81,14 +95,16 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def preload_command(policy_path, flags: dict, detach: bool, wait_ready: bool, say) -> int:
+def preload_command(policy_path, flags: dict, detach: bool, wait_ready: bool, say, state_root: str = "") -> int:
     from restartkit.weightcache.launcher import Launcher, run
-    policy, layout, timeout, host, port = build(policy_path, flags)
+    policy, layout, timeout, host, port = build(policy_path, flags, state_root)
     health = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}/health" if port else None
     if wait_ready:
         return wait_until_ready(layout, timeout, say, health)
     if detach:
         argv = [sys.executable, "-m", "restartkit.cli", "preload"] + _argv(policy_path, flags)
+        if state_root:
+            argv += ["--state-dir", state_root]
         state = (policy.state_dir() if policy else None)
         log_path = (state / "weightcache.log") if state else os.devnull
         if state:

@@ -55,6 +55,12 @@ def trust_problem(path: Path) -> str | None:
     return _untrusted(path.parent, "socket directory") or _untrusted(path, "socket")
 
 
+def socket_path(device_uuid: str, draft: bool = False, override: str = "", create: bool = False) -> Path:
+    """Where the daemon of one device (and one weight group: the model or its draft) listens;
+    the one place the path is built, for daemons, launchers, clients and engines alike."""
+    return socket_dir(override, create) / socket_name(device_uuid, draft)
+
+
 def socket_name(device_uuid: str, draft: bool = False) -> str:
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in device_uuid)
     return f"{safe}{'_draft' if draft else ''}.sock"

@@ -19,13 +19,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 
 from restartkit import http
+from restartkit.contracts import Outcome
 from restartkit.memory import free_memory
-from restartkit.strategies.base import Outcome
 from restartkit.supervise import ProcState
+
+
+def draft_proof(load: dict) -> tuple[str, dict]:
+    """From an engine's load stats: "hit" when every rank attached its draft model from the weight
+    cache, else what the ranks did ("fallback", "disk", "hit/fallback", ...); and the draft's stats."""
+    draft = load.get("draft") or {}
+    ranks = draft.get("ranks") or [draft.get("ipc") or draft.get("source") or "not loaded"]
+    return ("hit" if all(r == "hit" for r in ranks) else "/".join(ranks)), draft
 
 
 def _status(path) -> dict:
@@ -87,7 +94,6 @@ def _activate(service, new, status_path, out: Outcome, old) -> tuple[str, dict]:
     if load.get("ipc") != "hit":
         raise RuntimeError(f"the new engine did not attach from the weight cache: {load.get('ipc')}({load.get('fallback_reason')})")
     if service.policy.service["draft_model"]:
-        from restartkit.strategies.ipc import draft_proof
         out.proof["draft"], draft = draft_proof(load)
         if out.proof["draft"] != "hit":
             raise RuntimeError("the new engine did not attach its draft model from the weight cache: "
@@ -100,7 +106,7 @@ def overlapped_ipc(service, facts, strategy_name: str = "ipc") -> Outcome:
     phases: dict[str, float] = {}
     out = Outcome(strategy_name, ok=False, phases=phases, proof={"overlap": True})
     old = service.current()
-    stats = facts.service.extra.get("engine_stats") or {}
+    stats = facts.service.stats
     if old is not None and pol.restart["overlap_mode"] == "prestart":
         out.proof["overlap_mode"] = "prestart"
         return _prestart(service, old, out)
@@ -185,58 +191,3 @@ def _canary_at(service, base: str, first_only: bool = False) -> list[list[int]]:
     prompts = pol.restart["canary_prompts"][:1] if first_only else pol.restart["canary_prompts"]
     return [service.adapter.completion(pol, p, pol.restart["canary_max_tokens"], base=base)["choices"][0]["token_ids"]
             for p in prompts]
-
-
-class DowntimeProbe:
-    """A client hammering the service through a restart: the longest gap
-    between two answered requests is the downtime as users see it."""
-
-    def __init__(self, service, interval_s: float = 0.02, timeout_s: float = 2.0):
-        self.service, self.interval, self.timeout = service, interval_s, timeout_s
-        self.events: list[tuple[float, bool, str]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> None:
-        self.started_at = time.monotonic()  # the service answered just before: the baseline canary
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Idempotent; waits for a short tail of answers after the restart."""
-        if self._stop.is_set() or not self._thread.is_alive():
-            self._stop.set()
-            return
-        time.sleep(0.3)
-        self._stop.set()
-        self._thread.join(5)
-
-    def _run(self):
-        url = self.service.adapter.base_url(self.service.policy) + "/v1/completions"
-        body = {"model": self.service.adapter.served_name(self.service.policy), "prompt": "ping", "max_tokens": 1,
-                "temperature": 0.0}
-        while not self._stop.is_set():
-            t = time.monotonic()
-            try:
-                http.post(url, body, timeout=self.timeout)
-                self.events.append((t, True, ""))
-            except http.HTTPFailure as e:
-                self.events.append((t, False, str(e.status or "connection")))
-            except Exception as e:  # a connection cut mid-answer (IncompleteRead...): still a failed request
-                self.events.append((t, False, type(e).__name__))
-            time.sleep(self.interval)
-
-    def summary(self) -> dict:
-        ok = [getattr(self, "started_at", None)] + [t for t, good, _ in self.events if good]
-        ok = [t for t in ok if t is not None]
-        gaps = [b - a for a, b in zip(ok, ok[1:])]
-        worst = max(range(len(gaps)), key=gaps.__getitem__) if gaps else None
-        errors: dict[str, int] = {}
-        for _, good, kind in self.events:
-            if not good:
-                errors[kind] = errors.get(kind, 0) + 1
-        base = getattr(self, "started_at", 0.0)
-        return {"requests": len(self.events), "answered": len(ok) - 1, "failed": errors,
-                "downtime_s": round(gaps[worst], 4) if gaps else None,
-                "gap_from_s": round(ok[worst] - base, 4) if gaps else None}
-
-

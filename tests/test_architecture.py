@@ -1,0 +1,132 @@
+"""The house's rules, checked over the source (ast), not by reading: data flows one way
+(policy -> facts -> plan -> execute -> record), nothing imports the CLI, strategies are
+looked up through the registry only by the restart flow, no import circle between files,
+and state never travels through the process's own environment."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = "restartkit.cli"
+STRATEGIES = "restartkit.strategies"
+REGISTRY_USERS = {"restartkit.restart"}  # the restart flow gathers, plans and executes through the registry
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for p in sorted([*ROOT.glob("restartkit/**/*.py"), *ROOT.glob("strategies/*.py")]):
+        parts = list(p.relative_to(ROOT).with_suffix("").parts)
+        if parts[0] == "strategies":  # packaged as restartkit.strategies
+            parts = ["restartkit", *parts]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = p
+    return mods
+
+
+def _runtime_imports(node: ast.AST):
+    """Every import, at module level or inside a function, except those under `if TYPE_CHECKING:`."""
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        yield node
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and getattr(child.test, "id", None) == "TYPE_CHECKING":
+            for stmt in child.orelse:
+                yield from _runtime_imports(stmt)
+        else:
+            yield from _runtime_imports(child)
+
+
+def graph() -> dict[str, set[str]]:
+    mods = _modules()
+    out = {}
+    for name, path in mods.items():
+        deps = set()
+        for node in _runtime_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("restartkit"):
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    deps.add(full if full in mods else node.module)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("restartkit"))
+        out[name] = {d for d in deps if d in mods and d != name}
+    return out
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_sees_the_package():
+    g = graph()
+    assert {"restartkit.cli", "restartkit.restart", "restartkit.strategies.criu", "restartkit.contracts"} <= set(g)
+    assert "restartkit.planner" in g["restartkit.restart"]  # lazy and top-level imports both count
+
+
+def test_nothing_but_the_entry_point_imports_the_cli():
+    assert [m for m, deps in graph().items() if CLI in deps] == []
+
+
+def test_only_the_restart_flow_imports_strategies():
+    g = graph()
+    outside = {m: sorted(d for d in deps if d.startswith(STRATEGIES)) for m, deps in g.items()
+               if not m.startswith(STRATEGIES) and any(d.startswith(STRATEGIES) for d in deps)}
+    assert set(outside) <= REGISTRY_USERS, outside
+    assert all(ds == [STRATEGIES] for ds in outside.values()), outside  # the registry, never a strategy's module
+
+
+def test_the_core_imports_nothing_that_uses_it():
+    assert graph()["restartkit.contracts"] == set()
+
+
+def test_no_import_circle():
+    assert cycles(graph()) == []
+
+
+def test_a_circle_is_found_when_there_is_one():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_state_through_the_environment():
+    """os.environ is written only where a child's environment is built (a dict of its own)."""
+    offenders = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            target = None
+            if isinstance(node, ast.Assign):
+                target = node.targets[0]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in ("setdefault", "update", "pop", "__setitem__"):
+                target = node.func.value
+            if isinstance(target, ast.Subscript):
+                target = target.value
+            if target is not None and ast.unparse(target) == "os.environ":
+                offenders.append(f"{name}:{node.lineno}")
+    assert offenders == []
