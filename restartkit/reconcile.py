@@ -42,7 +42,7 @@ def reconcile(service, say: Callable[[str], None], recover: bool = True) -> dict
         kill_tree(pid)
         stopped.append(pid)
     if stopped:
-        _wait_gone(stopped, service.policy.restart["stop_timeout_s"])
+        service.seam.reap_until_gone(stopped, service.policy.restart["stop_timeout_s"])
         say(f"{service.policy.name}: stopped {', '.join(map(str, stopped))} (left by the interrupted command, "
             "not serving or not passing the canary)")
     if adopted is None:
@@ -121,17 +121,6 @@ def _discard_partial_images(stale: dict, say) -> None:
     if images is not None and images.is_dir() and not (images / MANIFEST).exists():
         shutil.rmtree(images, ignore_errors=True)
         say(f"removed the unfinished snapshot {images}")
-
-
-def _wait_gone(pids: list[int], timeout_s: float) -> None:
-    from restartkit.supervise import reap
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for p in pids:
-            reap(p)
-        if not any(tree_pids(p) for p in pids):
-            return
-        time.sleep(0.05)
 
 
 def _record(service, stale: dict, result: dict) -> None:

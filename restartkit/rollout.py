@@ -13,7 +13,6 @@ import copy
 import dataclasses
 import subprocess
 import sys
-import time
 
 from restartkit import http
 from restartkit.errors import StrategyError
@@ -75,11 +74,10 @@ def ensure_cache(service: Service, say) -> str:
             offset = log.tell()
             proc = subprocess.Popen(vllm_preload_argv(pol), stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
-        deadline = time.monotonic() + i["startup_timeout_s"]
-        while time.monotonic() < deadline:
+        def healthy() -> bool:
             try:
                 http.get(url, timeout=3)
-                return f"started vllm preload (PID {proc.pid})"
+                return True
             except http.HTTPFailure:
                 pass
             if proc.poll() is not None:
@@ -89,7 +87,9 @@ def ensure_cache(service: Service, say) -> str:
                 raise StrategyError(f"vllm preload exited with code {proc.returncode} before it was healthy: "
                                     + (" | ".join(tail) or "no output"),
                                     hint=f"see {log_path}; `vllm preload` needs vLLM 0.31 or newer on CUDA/ROCm")
-            time.sleep(0.5)
+            return False
+        if service.seam.wait_until(healthy, i["startup_timeout_s"], 0.5):
+            return f"started vllm preload (PID {proc.pid})"
         proc.terminate()
         raise StrategyError(f"vllm preload was not healthy at {url} within {i['startup_timeout_s']:.0f} s",
                             hint=f"see {service.state_dir}/vllm-preload.log")

@@ -19,8 +19,9 @@ from restartkit.engines import get_adapter
 from restartkit.errors import EngineStartError, UsageError
 from restartkit.files import write_json_atomic
 from restartkit.intent import Intent
+from restartkit.reference.ready import READY_FD_ENV
 from restartkit.supervise import (EngineProcess, ProcState, Seam, kill_tree, listeners, port_has_listener,
-                                  proc_start_ticks, reap, tree_pids)
+                                  proc_start_ticks)
 
 
 @dataclass
@@ -156,9 +157,13 @@ class Service:
     def _port_holder_after_grace(self, grace_s: float = 3.0) -> str | None:
         """The port's holder; a listener no process holds any more (a socket still closing
         as its killed owner exits) is given a moment to go."""
-        deadline = time.monotonic() + grace_s
-        while (holder := self.port_holder()) == "another process" and time.monotonic() < deadline:
-            time.sleep(0.05)
+        holder = None
+
+        def settled() -> bool:
+            nonlocal holder
+            holder = self.port_holder()
+            return holder != "another process"
+        self.seam.wait_until(settled, grace_s)
         return holder
 
     def clear_for_recovery(self, pids: list[int], since_ticks: int | None) -> list[int]:
@@ -175,13 +180,8 @@ class Service:
                 doomed.append(p)
         for p in doomed:
             kill_tree(p)
-        deadline = time.monotonic() + self.policy.restart["stop_timeout_s"]
-        while time.monotonic() < deadline:
-            for p in doomed:
-                reap(p)
-            if not any(tree_pids(p) for p in doomed) and not set(listeners(port)) & set(doomed):
-                break
-            time.sleep(0.05)
+        self.seam.reap_until_gone(doomed, self.policy.restart["stop_timeout_s"],
+                                  also=lambda: not set(listeners(port)) & set(doomed))
         self.pidfile.unlink(missing_ok=True)
         return doomed
 
@@ -226,7 +226,7 @@ class Service:
         ready_r = ready_w = None
         if self.adapter.signals_ready:  # a pipe the engine writes one byte to when it is ready
             ready_r, ready_w = os.pipe()
-            env["RESTARTKIT_READY_FD"] = str(ready_w)
+            env[READY_FD_ENV] = str(ready_w)
         try:
             fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             os.fchmod(fd, 0o600)  # the engine's argv and output: not for other users
@@ -289,8 +289,7 @@ class Service:
         except ProcessLookupError:
             pass
         deadline = t0 + r["stop_timeout_s"]
-        while time.monotonic() < deadline and proc.alive() and self.port_listening():
-            time.sleep(0.005)
+        self.seam.wait_until(lambda: not (proc.alive() and self.port_listening()), deadline - time.monotonic(), 0.005)
         if proc.alive() and self.port_listening():  # ignored SIGTERM and still holds the port: kill it now
             h.how = proc.stop(timeout_s=0, signalled=True)
             h.exit_s = h.port_free_s = round(time.monotonic() - t0, 4)

@@ -35,8 +35,8 @@ FLOOR_VARIANTS = {
 
 
 def context_early(ordinal: int = 0):
-    """The engine's own early context (restartkit.reference.server; it imports no torch)."""
-    from restartkit.reference.server import start_cuda_context
+    """The engine's own early context (restartkit.reference.assemble; it imports no torch)."""
+    from restartkit.reference.assemble import start_cuda_context
     return start_cuda_context(ordinal)
 
 

@@ -43,17 +43,18 @@ def _status(path) -> dict:
 
 
 def _wait_state(path, proc, wanted: str, deadline_s: float) -> dict:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        st = _status(path)
-        if st.get("state") == wanted:
-            return st
+    st: dict = {}
+
+    def reached() -> bool:
+        st.update(_status(path))
         if st.get("state") == "failed":
             raise RuntimeError(st.get("error", "the new engine failed"))
-        if not proc.alive():
+        if st.get("state") != wanted and not proc.alive():
             raise RuntimeError(f"the new engine exited (code {proc.returncode()}) before it was {wanted}")
-        time.sleep(0.01)
-    raise RuntimeError(f"the new engine was not {wanted} within {deadline_s:.0f} s")
+        return st.get("state") == wanted
+    if not proc.seam.wait_until(reached, deadline_s, 0.01):
+        raise RuntimeError(f"the new engine was not {wanted} within {deadline_s:.0f} s")
+    return st
 
 
 def _old_serves(out: Outcome, error: str) -> Outcome:

@@ -128,20 +128,6 @@ def test_missing_criu_recovers(served, tmp_path):
     assert_recovered(code, rec, "not an executable file")
 
 
-def test_two_refreshes_at_once(served):
-    policy = served()
-    cmd = [sys.executable, "-m", "restartkit.cli", "snapshot", "refresh", "--policy", str(policy), "--force"]
-    a = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    b = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    outs = [(p.wait(120), p.stdout.read()) for p in (a, b)]
-    codes = sorted(c for c, _ in outs)
-    assert codes in ([0, 0], [0, 75]), outs  # the second waited its turn or said it is busy
-    assert all(len(o.strip().splitlines()) == 1 for _, o in outs), outs  # one line each, for cron mail
-    # fresh now: a plain refresh has nothing to do
-    r = run_cli("snapshot", "refresh", "--policy", policy)
-    assert r.returncode == 0 and "nothing to do" in r.stdout
-
-
 def test_sigterm_during_create_keeps_the_previous_snapshot(served):
     policy = served()
     first = create(policy)
@@ -158,16 +144,6 @@ def test_sigterm_during_create_keeps_the_previous_snapshot(served):
     assert [s["id"] for s in current] == [first["path"].rsplit("/", 1)[1]]
     time.sleep(0.5)
     assert json.loads(run_cli("status", "--policy", policy, "--json").stdout)["serving"]  # the engine is back
-
-
-def test_install_timer_writes_units(served, tmp_path):
-    policy = served()
-    r = run_cli("snapshot", "refresh", "--policy", policy, "--install-timer", "--unit-dir", tmp_path)
-    assert r.returncode == 0, r.stderr
-    timer = (tmp_path / "restartkit-refresh-svc.timer").read_text()
-    assert "Persistent=true" in timer and "RandomizedDelaySec" in timer and "OnCalendar=daily" in timer
-    assert "snapshot refresh --policy" in (tmp_path / "restartkit-refresh-svc.service").read_text()
-    assert "snapshot refresh --policy" in r.stdout  # the crontab line
 
 
 def take_pid(pid: int) -> subprocess.Popen:
@@ -205,56 +181,3 @@ def engines_on(policy) -> list[int]:
     return out
 
 
-def test_a_test_restore_runs_beside_the_serving_engine(served):
-    """The copy is restored for real (its own PID, network and mount namespaces: the serving engine holds
-    its PIDs and its port), answers the canary taken at dump time, and is gone afterwards."""
-    policy = served()
-    snap = create(policy)
-    before = engines_on(policy)
-    r = run_cli("snapshot", "test", "--policy", policy, "--json")
-    assert r.returncode == 0, r.stdout + r.stderr
-    out = json.loads(r.stdout)
-    assert out["ok"] and out["canary_identical"], out
-    assert {"criu_restore", "kv_cache_restore", "ready", "canary"} <= set(out["phases"])
-    assert engines_on(policy) == before  # the copy died with its namespace; the engine is the same process
-    status = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
-    assert status["serving"] and status["pid"] == snap["pid"]
-    listing = json.loads(run_cli("snapshot", "list", "--policy", policy, "--json").stdout)["snapshots"]
-    assert listing[-1]["tested"] is True and not listing[-1]["suspect"]
-    images = snapshots_dir(policy) / snap["id"]
-    assert (images / "test-restore.log").exists() and (images / "test-restore-engine.log").exists()
-    # no unshare here: the test cannot run, which says nothing about the snapshot (not marked)
-    r = run_cli("snapshot", "test", "--policy", policy, env={"PATH": str(images)})
-    assert r.returncode != 0 and "unshare" in r.stderr, r.stderr
-    listing = json.loads(run_cli("snapshot", "list", "--policy", policy, "--json").stdout)["snapshots"]
-    assert not listing[-1]["suspect"] and listing[-1]["tested"] is True
-
-
-def test_refresh_with_test_restore_switches_only_after_a_pass(served, tmp_path):
-    policy = served('pid_wait_s = 5.0\ntest_restore = true\n')
-    first = create(policy)
-    r = run_cli("snapshot", "refresh", "--policy", policy, "--force")
-    assert r.returncode == 0 and "test-restored" in r.stdout, r.stdout + r.stderr
-    listing = json.loads(run_cli("snapshot", "list", "--policy", policy, "--json").stdout)["snapshots"]
-    second = next(s for s in listing if s["current"])
-    assert second["id"] != first["id"] and second["tested"] is True
-    prom = policy.parent / "state" / "svc" / "snapshot.prom"
-    assert prom_value(prom, "restartkit_snapshot_refresh_ok") == 1
-    assert prom_value(prom, "restartkit_snapshot_current_test_passed") == 1
-    assert prom_value(prom, "restartkit_snapshot_suspect") == 0
-    # a CRIU that dumps but cannot restore (injected): the new snapshot fails its test and never becomes current
-    wrapper = tmp_path / "criu"
-    wrapper.write_text(f'#!/bin/sh\nif [ "$1" = restore ]; then echo "injected: no restore" >&2; exit 1; fi\n'
-                       f'exec {CRIU.path} "$@"\n')
-    wrapper.chmod(0o755)
-    policy.write_text(policy.read_text().replace("[criu]\n", f'[criu]\ncriu_path = "{wrapper}"\n'))
-    r = run_cli("snapshot", "refresh", "--policy", policy, "--force")
-    assert r.returncode == 1 and "not made current" in r.stdout and "previous snapshot stays current" in r.stdout, r.stdout
-    listing = json.loads(run_cli("snapshot", "list", "--policy", policy, "--json").stdout)["snapshots"]
-    assert next(s for s in listing if s["current"])["id"] == second["id"]
-    assert listing[-1]["id"] != second["id"] and listing[-1]["suspect"] and listing[-1]["tested"] is False
-    # for the fleet's alerts: the refresh failed, one snapshot is suspect, the current one still passed its test
-    assert prom_value(prom, "restartkit_snapshot_refresh_ok") == 0
-    assert prom_value(prom, "restartkit_snapshot_suspect") == 1
-    assert prom_value(prom, "restartkit_snapshot_current_test_passed") == 1
-    assert json.loads(run_cli("status", "--policy", policy, "--json").stdout)["serving"]

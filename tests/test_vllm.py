@@ -183,26 +183,6 @@ def test_vllm_launch_and_features():
         assert "CPU" in problems["ipc"] and "CPU" in problems["sleep"]
 
 
-def test_rollout_builds_vllm_preload_with_the_policy_layout():
-    from restartkit.policy import parse_policy
-    from restartkit.rollout import vllm_preload_argv
-    p = parse_policy({"service": {"name": "v", "engine": "vllm", "model": "org/m", "device": "cuda", "dtype": "bfloat16",
-                                  "tensor_parallel_size": 4, "revision": "ab" * 20, "port": 8123,
-                                  "engine_args": ["--quantization", "fp8"]},
-                      "ipc": {"health_port": 8099, "socket_dir": "/run/wc"}})
-    argv = vllm_preload_argv(p)
-    assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "preload", "--model"]
-    i = argv.index("--weight-cache-health-host")
-    assert argv[i + 1] == "127.0.0.1" and argv[argv.index("--weight-cache-health-port") + 1] == "8099"
-    assert argv[argv.index("--tensor-parallel-size") + 1] == "4" and "--revision" in argv
-    # the engine's own arguments (so the fingerprint matches), not the server's
-    assert argv[argv.index("--dtype") + 1] == "bfloat16" and argv[argv.index("--quantization") + 1] == "fp8"
-    assert "--port" not in argv and "--host" not in argv and "8123" not in argv
-    assert argv[argv.index("--weight-cache-socket-dir") + 1] == "/run/wc"
-    cfg = json.loads(VLLMAdapter().ipc_args(p)[-1])
-    assert cfg["socket_dir"] == "/run/wc" and set(cfg) == {"mode", "fallback", "connect_timeout_s", "state_timeout_s", "socket_dir"}
-
-
 def test_vllm_sleep_needs_dev_mode_on_loopback_and_says_what_it_costs():
     from restartkit.engines.vllm import gpu_sleep_problem
     from restartkit.policy import parse_policy
@@ -216,20 +196,6 @@ def test_vllm_sleep_needs_dev_mode_on_loopback_and_says_what_it_costs():
     assert any("/collective_rpc" in n for n in VLLMAdapter().plan_notes(pol("127.0.0.1")))
     a = VLLMAdapter()
     assert a.sleep_needs_reload and a.can_confirm_sleep
-
-
-def test_sglang_adapter_says_it_is_unverified():
-    from restartkit.engines.sglang import SGLangAdapter
-    from restartkit.policy import parse_policy
-    p = parse_policy({"service": {"name": "s", "engine": "sglang", "model": "org/m", "device": "cuda"},
-                      "sleep": {"enabled": True, "level": 1}})
-    a = SGLangAdapter()
-    argv = a.launch(p).argv
-    assert argv[1:3] == ["-m", "sglang.launch_server"] and "--enable-memory-saver" in argv
-    assert "--enable-weights-cpu-backup" in argv  # level 1 keeps the weights in host memory
-    assert any("NOT run against a running SGLang" in n for n in a.plan_notes(p))
-    assert a.feature_problems(p)["sleep"] is None and "not verified" in a.feature_problems(p)["ipc"]
-    assert not a.can_confirm_sleep and a.sleep_needs_reload
 
 
 def test_vllm_level_1_needs_host_memory_for_the_checkpoint(tmp_path):
@@ -252,15 +218,3 @@ def test_vllm_level_1_needs_host_memory_for_the_checkpoint(tmp_path):
     assert host_memory_for_level_1(f, p) is None
 
 
-@pytest.mark.slow
-@needs_vllm
-def test_rollout_says_at_once_when_vllm_preload_cannot_start(make_policy, vllm_model, service_cleanup):
-    """The installed vLLM (the CPU build) has no `preload`: rollout must say so within seconds,
-    with vLLM's own words, not wait out the cache's start-up timeout."""
-    import time
-    policy = _vllm_policy(make_policy, vllm_model, service_cleanup)
-    policy.write_text(policy.read_text() + "\n[ipc]\nhealth_port = 18099\nstartup_timeout_s = 600\n")
-    t0 = time.monotonic()
-    r = run_cli("rollout", "--policy", policy, timeout=300)
-    assert r.returncode != 0 and time.monotonic() - t0 < 120
-    assert "vllm preload exited with code" in r.stderr and "preload" in r.stderr, r.stderr

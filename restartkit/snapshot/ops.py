@@ -23,10 +23,9 @@ from restartkit import __version__
 from restartkit.errors import StrategyError, UsageError
 from restartkit.guard import check_interrupted
 from restartkit.snapshot.criu import Criu, CriuError, put_back_shm
-from restartkit.supervise import tree_pids
 from restartkit.snapshot.cudackpt import CudaCheckpoint, fd_targets, uses_cuda
 from restartkit.snapshot.store import Snapshot, SnapshotStore, dir_bytes
-from restartkit.supervise import EngineProcess, kill_tree, reap
+from restartkit.supervise import EngineProcess, Seam, kill_tree, reap, tree_pids
 
 ENV_PREFIXES = ("CUDA_", "NCCL_", "TORCH_", "PYTORCH_", "VLLM_", "SGLANG_", "OMP_", "MKL_")
 
@@ -270,16 +269,17 @@ def image_damage(snap: Snapshot) -> list[str]:
     return out
 
 
-def wait_pids_free(pids: list[int], deadline_s: float, sleep=time.sleep) -> list[int]:
+def wait_pids_free(pids: list[int], deadline_s: float, seam: Seam | None = None) -> list[int]:
     """The PIDs still taken when the deadline passed (empty: all free)."""
-    end = time.monotonic() + deadline_s
-    while True:
+    taken: list[int] = []
+
+    def free() -> bool:
         for p in pids:
             reap(p)
-        taken = [p for p in pids if os.path.exists(f"/proc/{p}")]
-        if not taken or time.monotonic() >= end:
-            return taken
-        sleep(0.05)
+        taken[:] = [p for p in pids if os.path.exists(f"/proc/{p}")]
+        return not taken
+    (seam or Seam()).wait_until(free, deadline_s)
+    return taken
 
 
 def snapshot_fault(e: Exception) -> Exception:
@@ -301,7 +301,7 @@ def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict]:
     if miss:
         raise StrategyError("the snapshot does not match this host: " + "; ".join(miss))
     t = time.monotonic()
-    taken = wait_pids_free(snap.manifest["tree_pids"], service.policy.criu["pid_wait_s"])
+    taken = wait_pids_free(snap.manifest["tree_pids"], service.policy.criu["pid_wait_s"], service.seam)
     phases["wait_pids"] = round(time.monotonic() - t, 3)
     if taken:
         holders = ", ".join(f"{p} ({_name(p)})" for p in taken)

@@ -137,15 +137,17 @@ def _inside(args) -> dict:
     adapter.after_resume(pol)
     phases["kv_cache_restore"] = round(time.monotonic() - t, 3)
     t = time.monotonic()
-    end = time.monotonic() + pol.restart["start_timeout_s"]
-    while True:
+    last: list[Exception] = []
+
+    def answers() -> bool:
         try:
             adapter.probe(pol)
-            break
+            return True
         except Exception as e:
-            if time.monotonic() > end:
-                raise StrategyError(f"the restored copy did not answer within {pol.restart['start_timeout_s']:.0f} s: {e}")
-            time.sleep(0.05)
+            last[:] = [e]
+            return False
+    if not service.seam.wait_until(answers, pol.restart["start_timeout_s"]):
+        raise StrategyError(f"the restored copy did not answer within {pol.restart['start_timeout_s']:.0f} s: {last[0]}")
     phases["ready"] = round(time.monotonic() - t, 3)
     t = time.monotonic()
     tokens = adapter.canary(pol)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 from restartkit.errors import EXIT_NOT_SERVING, EXIT_SERVING, UsageError
 
@@ -69,9 +68,10 @@ def wait_until_ready(layout, timeout: float, say, health: str | None = None) -> 
     from restartkit.weightcache.launcher import expected_uuids
     uuids = expected_uuids(layout)
     paths = [protocol.socket_path(u, draft, layout.socket_dir) for _, draft in layout.groups() for u in uuids]
-    deadline = time.monotonic() + timeout
+    from restartkit.supervise import Seam
     states: dict = {}
-    while time.monotonic() < deadline:
+
+    def ready() -> bool:
         for p in paths:
             try:
                 reply, fds = protocol.request(p, {"op": "ping"}, timeout=5.0, connect_timeout=2.0)
@@ -79,10 +79,10 @@ def wait_until_ready(layout, timeout: float, say, health: str | None = None) -> 
                 states[p] = reply.get("state")
             except (OSError, TimeoutError, protocol.ProtocolError):
                 states[p] = "absent"
-        if all(s == "ready" for s in states.values()) and (health is None or _healthy(health)):
-            say(f"weight cache ready: {len(paths)} rank(s)")
-            return EXIT_SERVING
-        time.sleep(0.2)
+        return all(s == "ready" for s in states.values()) and (health is None or _healthy(health))
+    if Seam().wait_until(ready, timeout, 0.2):
+        say(f"weight cache ready: {len(paths)} rank(s)")
+        return EXIT_SERVING
     say("not ready within the timeout: " + ", ".join(f"{p.name}: {s}" for p, s in states.items()))
     return EXIT_NOT_SERVING
 

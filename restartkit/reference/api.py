@@ -1,0 +1,324 @@
+"""The reference engine's HTTP front: an OpenAI-compatible subset.
+
+  GET  /health            200 only after a real forward pass ran; 503 before
+  GET  /v1/models
+  POST /v1/completions    text or token-id prompt, max_tokens, temperature,
+                          seed, logprobs; each choice also carries token_ids
+  GET  /admin/stats       init phases and their times, load source, memory
+  POST /admin/drop_kv_cache   free the KV cache (before a snapshot)
+  POST /admin/restore_kv_cache
+  POST /sleep, /wake_up; GET /is_sleeping   sleep mode (vLLM's interface)
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+from restartkit.reference.log import log
+
+MAX_BODY = 1 << 20
+
+
+class EngineServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, addr, engine_state, reuse_port: bool = False):
+        self.reuse_port = reuse_port
+        super().__init__(addr, Handler)
+        self.state = engine_state
+
+    def server_bind(self):
+        if self.reuse_port:  # several engines on one port: how an overlapped restart hands over
+            import socket
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        super().server_bind()
+
+
+class State:
+    """What the handlers see: the engine (None while loading) and the tokenizer."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.engine = None
+        self.tokenizer = None
+        self.ready = False
+        self.phases: dict[str, float] = {}
+        self.started_at = time.time()
+        self.ready_at: float | None = None
+        self.requests = 0
+        self.inflight = 0  # requests between being read and their answer written
+        self.inflight_lock = threading.Lock()
+        self.sleeper = None  # set when the engine runs with --enable-sleep-mode
+        self.prepared_mode = False
+        self.sleep_public = False
+
+    def drain(self, deadline_s: float = 30.0) -> int:
+        """Wait until every request in flight has its answer written; returns how many were left."""
+        end = time.monotonic() + deadline_s
+        while self.inflight and time.monotonic() < end:
+            time.sleep(0.005)
+        return self.inflight
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: EngineServer
+
+    def log_message(self, fmt, *args):  # keep the log to what matters
+        pass
+
+    # ---- plumbing -----------------------------------------------------------
+    def _send(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, code: int, message: str, kind: str = "invalid_request_error") -> None:
+        self._send(code, {"error": {"message": message, "type": kind, "code": code}})
+
+    def _body(self) -> dict | None:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY:
+            self._error(413, f"request body over {MAX_BODY} bytes")
+            return None
+        raw = self.rfile.read(length) if length else b"{}"
+        try:
+            body = json.loads(raw or b"{}")
+        except json.JSONDecodeError as e:
+            self._error(400, f"request body is not JSON: {e}")
+            return None
+        if not isinstance(body, dict):
+            self._error(400, "request body must be a JSON object")
+            return None
+        return body
+
+    # ---- routes -------------------------------------------------------------
+    def _counted(self, handler) -> None:
+        # From the parsed request to the last byte of its answer (an idle
+        # keep-alive connection does not count), so a stopping engine answers
+        # everything it accepted before it exits.
+        st = self.server.state
+        with st.inflight_lock:
+            st.inflight += 1
+        try:
+            handler()
+        finally:
+            with st.inflight_lock:
+                st.inflight -= 1
+
+    def do_GET(self):
+        self._counted(self._get)
+
+    def do_POST(self):
+        self._counted(self._post)
+
+    def _get(self):
+        path = urlparse(self.path).path
+        st = self.server.state
+        if path == "/health":
+            if st.sleeper is not None and st.sleeper.asleep:
+                self._send(503, {"status": "asleep", "level": st.sleeper.level})
+            elif st.ready:
+                self._send(200, {"status": "ready"})
+            else:
+                self._send(503, {"status": "loading"})
+        elif path == "/is_sleeping":
+            if st.sleeper is None:
+                self._error(404, "sleep mode is off: start the engine with --enable-sleep-mode")
+            else:
+                self._send(200, {"is_sleeping": st.sleeper.asleep, "level": st.sleeper.level})
+        elif path == "/v1/models":
+            if not self._serving():  # clients take a model list as "ready": not before a completion would work
+                return
+            self._send(200, {"object": "list", "data": [
+                {"id": st.model_name, "object": "model", "created": int(st.started_at), "owned_by": "restartkit"}]})
+        elif path == "/admin/stats":
+            if self._local_only():
+                self._send(200, self._stats())
+        else:
+            self._error(404, f"no route {path}")
+
+    def _post(self):
+        parsed = urlparse(self.path)
+        path, query = parsed.path, parse_qs(parsed.query)
+        body = self._body()
+        if body is None:
+            return
+        try:
+            if path == "/v1/completions":
+                self._completions(body)
+            elif path in ("/sleep", "/wake_up"):
+                self._sleep_or_wake(path, query)
+            elif path.startswith("/admin/") and not self._local_only():
+                return
+            elif path == "/admin/drop_kv_cache":
+                self._admin_drop_kv()
+            elif path == "/admin/restore_kv_cache":
+                self.server.state.engine.restore_kv_cache()
+                self.server.state.ready = True
+                self._send(200, {"kv_cache_bytes": self.server.state.engine.model.kv_cache_bytes})
+            else:
+                self._error(404, f"no route {path}")
+        except Exception as e:  # one bad request must not take the engine down
+            log(f"error on {path}: {type(e).__name__}: {e}")
+            self._error(500, f"{type(e).__name__}: {e}", "server_error")
+
+    def _sleep_or_wake(self, path: str, query: dict) -> None:
+        st = self.server.state
+        if st.sleeper is None:
+            self._error(404, "sleep mode is off: start the engine with --enable-sleep-mode")
+            return
+        if not st.sleep_public and not self._from_this_host():
+            self._error(403, "sleep endpoints answer on loopback only (--sleep-endpoints-public to change that)")
+            return
+        from restartkit.reference.sleep import SleepError
+        eng = st.engine
+        try:
+            with eng.lock:
+                if path == "/sleep":
+                    level = int((query.get("level") or ["1"])[0])
+                    st.ready = False
+                    info = st.sleeper.sleep(level)
+                else:
+                    tags = query.get("tags") or ["weights", "kv_cache"]
+                    info = st.sleeper.wake(weights="weights" in tags, kv_cache="kv_cache" in tags)
+                    st.ready = not st.sleeper.asleep and eng.model.cache_k is not None
+        except SleepError as e:
+            self._error(409, str(e), "conflict")
+            return
+        except (RuntimeError, MemoryError) as e:  # out of memory while waking: still asleep, weights kept
+            log(f"{path} failed: {type(e).__name__}: {e}")
+            self._error(507, f"{path} failed: {type(e).__name__}: {str(e)[:300]}; the engine is still asleep", "insufficient_storage")
+            return
+        log(f"{path}: {json.dumps(info)}")
+        # vLLM's answer shape (status, level / tags), plus what this engine measured
+        if path == "/sleep":
+            head = {"status": "sleeping", "level": st.sleeper.level}
+        else:
+            awake = not st.sleeper.asleep and eng.model.cache_k is not None
+            head = {"status": "awake" if awake else "sleeping", "tags": query.get("tags")}
+        self._send(200, {**head, **info, "is_sleeping": st.sleeper.asleep})
+
+    def _from_this_host(self) -> bool:
+        """Loopback, or this host calling the specific address the server binds (restartkit does
+        that when [service] host names one): another host cannot open a TCP connection from it."""
+        client = self.client_address[0]
+        bound = self.server.server_address[0]
+        return client in ("127.0.0.1", "::1") or client.startswith("127.") or (
+            bound not in ("0.0.0.0", "::", "") and client == bound)
+
+    def _local_only(self) -> bool:
+        """Admin endpoints (stats, KV-cache drop) answer this host only; a 403 otherwise."""
+        if self._from_this_host():
+            return True
+        self._error(403, "admin endpoints answer on loopback only", "forbidden")
+        return False
+
+    def _serving(self) -> bool:
+        st = self.server.state
+        if st.sleeper is not None and st.sleeper.asleep:
+            self._error(503, f"the engine is asleep (level {st.sleeper.level})", "unavailable")
+            return False
+        if not st.ready:
+            self._error(503, "the engine is not ready (loading, or its KV cache was dropped)", "unavailable")
+            return False
+        return True
+
+    def _stats(self) -> dict:
+        st = self.server.state
+        eng = st.engine
+        out = {
+            "pid": os.getpid(), "ready": st.ready, "model": st.model_name,
+            "phases": st.phases, "requests": st.requests,
+            "started_at": st.started_at, "ready_at": st.ready_at,
+        }
+        if st.sleeper is not None:
+            out["sleep"] = {"enabled": True, "level": st.sleeper.level, "last": st.sleeper.last}
+        if eng is not None and eng.model is not None:
+            out.update(load=eng.load_info, device=str(eng.device), dtype=str(eng.dtype).replace("torch.", ""),
+                       reuse_port=getattr(self.server, "reuse_port", False) or st.prepared_mode,
+                       weight_bytes=eng.weight_bytes(), kv_cache_bytes=eng.model.kv_cache_bytes,
+                       cuda_graph=eng._graph is not None)
+            if eng.draft is not None:
+                out["speculative"] = {"draft_model": eng.draft.options.model, "tokens": eng.spec_tokens,
+                                      **eng.spec_counts}
+        try:  # resident pages (psutil's import alone costs tens of ms on a busy start)
+            with open("/proc/self/statm") as f:
+                out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            pass
+        return out
+
+    def _admin_drop_kv(self):
+        eng = self.server.state.engine
+        self.server.state.ready = False
+        freed = eng.drop_kv_cache()
+        self._send(200, {"freed_bytes": freed})
+
+    def _completions(self, body: dict) -> None:
+        st = self.server.state
+        if st.sleeper is not None and st.sleeper.asleep:
+            self._error(503, f"the engine is asleep (level {st.sleeper.level}): POST /wake_up first", "unavailable")
+            return
+        if not st.ready:
+            self._error(503, "the engine is not ready (loading, or its KV cache was dropped)", "unavailable")
+            return
+        t0 = time.perf_counter()
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # the OpenAI client wraps a single prompt in a list
+        if isinstance(prompt, str):
+            ids = [st.engine.config.bos_token_id] + st.tokenizer.encode(prompt, add_special_tokens=False).ids
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            ids = prompt
+        else:
+            self._error(400, "prompt must be a string or a list of token ids")
+            return
+        try:
+            max_tokens = int(body.get("max_tokens", 16))
+            temperature = float(body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0)
+            seed = body.get("seed")
+            seed = int(seed) if seed is not None else None
+            logprobs = body.get("logprobs")
+        except (TypeError, ValueError) as e:
+            self._error(400, f"bad parameter: {e}")
+            return
+        if max_tokens < 1:
+            self._error(400, "max_tokens must be at least 1")
+            return
+        from restartkit.reference.engine import EngineNotReady
+        try:
+            comp = st.engine.generate(ids, max_tokens, temperature, seed, want_logprobs=logprobs is not None and logprobs is not False)
+        except EngineNotReady as e:  # it went to sleep (or dropped its cache) after the check above
+            self._error(503, f"the engine is not ready: {e}", "unavailable")
+            return
+        except ValueError as e:
+            self._error(400, str(e))
+            return
+        st.requests += 1
+        text = st.tokenizer.decode(comp.tokens, skip_special_tokens=True)
+        choice = {"index": 0, "text": text, "finish_reason": comp.finish_reason,
+                  "token_ids": comp.tokens, "prompt_token_ids": comp.prompt_tokens, "logprobs": None}
+        if comp.logprobs is not None:
+            choice["logprobs"] = {
+                "tokens": [st.tokenizer.id_to_token(t) or "" for t in comp.tokens],
+                "token_logprobs": comp.logprobs, "top_logprobs": None,
+                "text_offset": [0] * len(comp.tokens),
+            }
+        self._send(200, {
+            "id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
+            "model": st.model_name, "choices": [choice], "system_fingerprint": f"restartkit-ref-{os.getpid()}",
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(comp.tokens),
+                      "total_tokens": len(ids) + len(comp.tokens)},
+        })
+        if "first_request" not in st.phases:  # after a restart, restartkit's readiness probe
+            st.phases["first_request"] = round(time.perf_counter() - t0, 4)

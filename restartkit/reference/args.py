@@ -1,0 +1,77 @@
+"""The reference engine's command line: parsed here, and rebuilt for its tensor-parallel workers."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port < 65536:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0..65535)")
+    return port
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="restartkit engine serve")
+    p.add_argument("--model", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--no-cuda-graph", action="store_true")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-rank", type=int, default=0)
+    p.add_argument("--enable-expert-parallel", action="store_true")
+    p.add_argument("--quantization", default="none", choices=["none", "int8"])
+    p.add_argument("--revision", default="")
+    p.add_argument("--load-format", default="disk", choices=["disk", "ipc_cache"])
+    p.add_argument("--ipc-config", default="{}", help="JSON: mode, fallback, connect_timeout_s, state_timeout_s, socket_dir")
+    p.add_argument("--dist-port", type=int, default=0, help="rank 0's rendezvous port (tensor parallel)")
+    p.add_argument("--worker-rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--reuse-port", action="store_true", help="SO_REUSEPORT on the public port (overlapped restarts)")
+    p.add_argument("--prepare-only", action="store_true",
+                   help="prepare (imports, device, weights), then wait for SIGUSR1 before taking the device and the port")
+    p.add_argument("--status-file", default=None, help="JSON state for the supervisor (prepare-only mode)")
+    p.add_argument("--activate-timeout", type=float, default=300.0)
+    p.add_argument("--enable-sleep-mode", action="store_true", help="POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping")
+    p.add_argument("--sleep-endpoints-public", action="store_true", help="answer sleep endpoints off loopback too")
+    p.add_argument("--draft-model", default="", help="a draft checkpoint: greedy requests decode speculatively")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens proposed per round")
+    args = p.parse_args(argv)
+    if args.draft_model:
+        if args.enable_sleep_mode:
+            p.error("--draft-model cannot be combined with --enable-sleep-mode")
+        if args.num_speculative_tokens < 1:
+            p.error("--num-speculative-tokens must be at least 1")
+    try:
+        args.ipc = json.loads(args.ipc_config)
+        if not isinstance(args.ipc, dict):
+            raise ValueError("not an object")
+    except ValueError as e:
+        p.error(f"--ipc-config is not a JSON object: {e}")
+    return args
+
+
+def _rebuild_argv(args) -> list[str]:
+    out = ["--model", args.model, "--device", args.device, "--max-model-len", str(args.max_model_len),
+           "--tensor-parallel-size", str(args.tensor_parallel_size), "--quantization", args.quantization,
+           "--data-parallel-size", str(args.data_parallel_size), "--data-parallel-rank", str(args.data_parallel_rank),
+           "--load-format", args.load_format, "--ipc-config", json.dumps(args.ipc), "--dist-port", str(args.dist_port),
+           "--threads", str(args.threads), "--revision", args.revision]
+    if args.dtype:
+        out += ["--dtype", args.dtype]
+    if args.enable_expert_parallel:
+        out.append("--enable-expert-parallel")
+    if args.no_cuda_graph:
+        out.append("--no-cuda-graph")
+    if args.draft_model:
+        out += ["--draft-model", args.draft_model, "--num-speculative-tokens", str(args.num_speculative_tokens)]
+    return out

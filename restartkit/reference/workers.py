@@ -1,0 +1,50 @@
+"""Tensor parallelism: ranks 1..tp-1 run as child processes of rank 0 and die with it."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from restartkit.reference.args import _rebuild_argv
+from restartkit.reference.assemble import _early_cuda_context, _make_engine, _start_engine
+from restartkit.reference.ready import READY_FD_ENV
+
+
+def spawn_workers(args) -> list:
+    """Ranks 1..tp-1 as child processes that die with this one."""
+    import subprocess
+    if not args.dist_port:
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            args.dist_port = s.getsockname()[1]
+    base = [sys.executable, "-m", "restartkit.reference.server"] + _rebuild_argv(args)
+    procs = []
+    for rank in range(1, args.tensor_parallel_size):
+        env = {k: v for k, v in os.environ.items() if k != READY_FD_ENV}  # the ready pipe is rank 0's
+        procs.append(subprocess.Popen(base + ["--worker-rank", str(rank)], env=env, preexec_fn=_die_with_parent))
+    return procs
+
+
+def _die_with_parent() -> None:
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _stop_workers(workers) -> None:
+    for w in workers:
+        try:
+            w.wait(timeout=5)
+        except Exception:
+            w.kill()
+
+
+def serve_worker(args) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when workers stop
+    context = _early_cuda_context(args)
+    engine = _make_engine(args)  # imports torch
+    if context is not None:
+        context.join()
+    _start_engine(engine, args)
+    engine.worker_loop()
+    return 0
