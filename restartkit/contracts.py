@@ -35,7 +35,25 @@ class ServiceFacts:
     adapter_problem: str | None = None
     overlap_problem: str | None = None  # why this engine cannot be prepared beside the old one, if it cannot
     engine_notes: list[str] = field(default_factory=list)  # what plan says about this engine beyond the reasons
+    model_digest: str | None = None  # the weights' identity (a local checkpoint's digest), for evidence
     stats: dict = field(default_factory=dict)  # what the live engine reports about itself (load, phases, sleep)
+
+
+@dataclass
+class Evidence:
+    """What this service measured (or can estimate) about one strategy; see restartkit.evidence."""
+    strategy: str
+    time_s: float | None = None  # expected time to ready
+    downtime_s: float | None = None  # expected client-seen downtime of an overlapped restart (ipc)
+    source: str = "none"  # measured | estimated | none
+    n: int = 0  # how many restarts the measurement is the median of
+    detail: str = ""
+    failures: int = 0  # recent restarts that tried it first and ended in recovery (within the cool-down)
+    failed_at: float | None = None
+    retry_in_s: float | None = None  # when it is tried first again
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "strategy"}
 
 
 @dataclass
@@ -45,6 +63,8 @@ class Facts:
     reason: str = "restart"  # why restart: one of REASONS
     # what each strategy gathered for itself (its `gather` step), by strategy name
     strategy: dict[str, dict] = field(default_factory=dict)
+    # what this service measured about each strategy (history, estimates), by strategy name
+    evidence: dict[str, Evidence] = field(default_factory=dict)
 
     def of(self, name: str) -> dict:
         return self.strategy.get(name) or {}
@@ -80,6 +100,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     overlap: bool = False  # prepare the new engine while the old one serves (ipc)
     overlap_dropped: str | None = None  # overlap was asked for and does not apply to this restart: why
+    ranked_by: str = "order"  # how auto ordered the strategies: order | time_to_ready | downtime
+    expected: dict[str, dict] = field(default_factory=dict)  # per strategy: the evidence the ranking used
 
     @property
     def goes_straight_to_recovery(self) -> bool:
@@ -88,8 +110,9 @@ class Plan:
     def to_dict(self) -> dict:
         return {
             "requested": self.requested, "reason": self.reason, "order": self.order,
-            "attempt": self.attempt, "recovery": self.recovery, "notes": self.notes,
-            "strategies": [self.verdicts[s].to_dict() for s in self.order],
+            "attempt": self.attempt, "recovery": self.recovery, "notes": self.notes, "ranked_by": self.ranked_by,
+            "strategies": [{**self.verdicts[s].to_dict(), **({"expected": self.expected[s]} if s in self.expected else {})}
+                           for s in self.order],
         }
 
 

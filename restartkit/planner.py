@@ -6,7 +6,7 @@ Pure: no I/O, no clock.  Facts are gathered before (restartkit.restart.gather_fa
 """
 from __future__ import annotations
 
-from restartkit.contracts import RECOVERY, Facts, Plan
+from restartkit.contracts import RECOVERY, Evidence, Facts, Plan
 from restartkit.errors import UsageError
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -24,14 +24,27 @@ def make_plan(facts: Facts, policy, requested: str, strategies: dict, overlap: b
     notes: list[str] = []
     cold_ok = verdicts[RECOVERY].eligible
 
+    ranked_by, expected = "order", {}
     if requested == "auto":
         allowed = list(builtin) if preferred == ["auto"] else preferred
+        ranking = preferred == ["auto"] and policy.restart["rank"] == "measured" and bool(facts.evidence)
+        if ranking:
+            ranked_by = "downtime" if policy.restart["overlap"] and facts.service.overlap_problem is None \
+                else "time_to_ready"
+            allowed, expected = rank(allowed, facts.evidence, ranked_by)
+            order = allowed + [s for s in order if s not in allowed]
+            if not any(expected[s]["seconds"] is not None for s in allowed if s in expected and verdicts[s].eligible):
+                ranked_by = "order"  # nothing eligible was measured or estimated: the built-in order stands
         eligible = [s for s in allowed if verdicts[s].eligible]
         attempt = eligible[0] if eligible else (RECOVERY if cold_ok else None)
         if attempt == RECOVERY and RECOVERY not in allowed:
             notes.append(f"no strategy the policy allows ({', '.join(allowed)}) is eligible; recovery: a cold start")
+        elif attempt and ranked_by != "order":
+            notes.append(_why_ranked(attempt, eligible, facts.evidence, expected, ranked_by))
         elif attempt and attempt != RECOVERY:
             notes.append(f"auto chose {attempt}: the first eligible in {' > '.join(allowed)}")
+        if ranking:
+            notes.extend(_evidence_notes(eligible, facts.evidence, policy))
     else:
         if requested not in verdicts:
             raise UsageError(f"strategy {requested!r} is not supported", hint=f"choose one of: auto, {', '.join(builtin)}")
@@ -50,7 +63,8 @@ def make_plan(facts: Facts, policy, requested: str, strategies: dict, overlap: b
     if attempt == "criu" and snap.get("current") and snap.get("tested") is None:
         notes.append(f"snapshot {snap['current']} has never been test-restored "
                      f"(`restartkit snapshot test --policy {policy.path}` restores a copy beside the engine)")
-    plan = Plan(requested=requested, reason=facts.reason, order=order, verdicts=verdicts, attempt=attempt, notes=notes)
+    plan = Plan(requested=requested, reason=facts.reason, order=order, verdicts=verdicts, attempt=attempt, notes=notes,
+                ranked_by=ranked_by, expected=expected)
     notes.extend(facts.service.engine_notes)
     host = policy.service["host"]
     if host not in LOOPBACK and not host.startswith("127."):
@@ -70,13 +84,81 @@ def make_plan(facts: Facts, policy, requested: str, strategies: dict, overlap: b
     return plan
 
 
+def expected_value(ev: Evidence | None, ranked_by: str) -> float | None:
+    """The number a strategy is ranked by: its expected downtime when restarts are overlapped
+    (only an overlapped ipc restart has one below its time to ready), else its time to ready."""
+    if ev is None:
+        return None
+    if ranked_by == "downtime" and ev.downtime_s is not None:
+        return ev.downtime_s
+    return ev.time_s
+
+
+def rank(allowed: list[str], evidence: dict[str, Evidence], ranked_by: str) -> tuple[list[str], dict]:
+    """Fastest first by evidence.  A strategy without a number keeps its place in the built-in
+    order; those with numbers are sorted among the places they hold.  A strategy that failed
+    recently (still cooling down) goes last."""
+    value = {s: expected_value(evidence.get(s), ranked_by) for s in allowed}
+    numbered = [s for s in allowed if value[s] is not None]
+    slots = iter(sorted(numbered, key=lambda s: (value[s], allowed.index(s))))
+    ranked = [next(slots) if s in numbered else s for s in allowed]
+    cooling = [s for s in ranked if s in evidence and evidence[s].failures]
+    ranked = [s for s in ranked if s not in cooling] + cooling
+    expected = {s: {"seconds": value[s], "metric": ranked_by, **evidence[s].to_dict()} for s in allowed if s in evidence}
+    return ranked, expected
+
+
+def _describe(ev: Evidence, ranked_by: str) -> str:
+    v = expected_value(ev, ranked_by)
+    if v is None:
+        return "no measurement or estimate"
+    what = "downtime" if ranked_by == "downtime" and ev.downtime_s is not None else "ready"
+    return f"{what} in {v:.2f} s ({ev.source}: {ev.detail})"
+
+
+def _why_ranked(attempt: str, eligible: list[str], evidence: dict[str, Evidence], expected: dict,
+                ranked_by: str) -> str:
+    metric = "client-seen downtime" if ranked_by == "downtime" else "time to ready"
+    rest = [f"{s} {expected[s]['seconds']:.2f} s" for s in eligible if s != attempt and s in expected
+            and expected[s]["seconds"] is not None]
+    ev = evidence.get(attempt)
+    if ev is None or expected_value(ev, ranked_by) is None:
+        return (f"auto chose {attempt}: not measured here yet, so it keeps its place in the built-in order; "
+                f"the others are ranked by {metric}" + (f": {', '.join(rest)}" if rest else ""))
+    return (f"auto chose {attempt}: {_describe(ev, ranked_by)}; ranked by {metric}"
+            + (f" against {', '.join(rest)}" if rest else ""))
+
+
+def _evidence_notes(eligible: list[str], evidence: dict[str, Evidence], policy) -> list[str]:
+    notes = []
+    unmeasured = [s for s in eligible if s in evidence and evidence[s].source != "measured"]
+    if unmeasured:
+        names = ",".join(dict.fromkeys([*unmeasured, RECOVERY]))
+        how = ", ".join(f"{s} ({'estimated' if evidence[s].source == 'estimated' else 'built-in order'})"
+                        for s in unmeasured)
+        notes.append(f"no measurement here yet for {how}; measure with "
+                     f"`restartkit bench --policy {policy.path} --strategies {names} --repeat 3`")
+    for s, ev in evidence.items():
+        if ev.failures:
+            notes.append(f"{s} is ranked last: its last {ev.failures} restart(s) ended in recovery; it is tried "
+                         f"first again in {ev.retry_in_s / 60:.0f} min ([restart] rank_cooldown_s)")
+    return notes
+
+
 def render_plan(plan: Plan) -> str:
     lines = [f"restart reason: {plan.reason}; requested: {plan.requested}"]
     for name in plan.order:
         v = plan.verdicts[name]
         mark = "eligible" if v.eligible else ("not built" if not v.built else "not eligible")
         arrow = "->" if name == plan.attempt else "  "
-        lines.append(f" {arrow} {name:<6} {mark}")
+        exp = plan.expected.get(name)
+        when = ""
+        if exp is not None:
+            when = (f"  expected {exp['seconds']:.2f} s ({exp['source']})" if exp["seconds"] is not None
+                    else "  expected: unknown (built-in order)")
+            if exp.get("failures"):
+                when += f"; {exp['failures']} recent failure(s)"
+        lines.append(f" {arrow} {name:<6} {mark}{when}")
         for r in v.reasons:
             lines.append(f"           - {r}")
     for n in plan.notes:

@@ -173,6 +173,16 @@ SCHEMA: dict[str, dict[str, Key]] = {
     },
     "restart": {
         "strategies": Key(list, ["auto"], doc="'auto' or strategies in preference order", check=_strategy_list),
+        "rank": Key(str, "measured", ("measured", "order"),
+                    doc="with strategies = ['auto']: measured ranks the eligible strategies by this service's "
+                        "measured (or estimated) time, fastest first; order keeps sleep > ipc > criu > cold"),
+        "rank_runs": Key(int, 5, check=_positive, doc="the last N successful restarts of a strategy whose median counts"),
+        "rank_max_age_h": Key((int, float), 168.0, check=_hours,
+                              doc="measurements older than this do not count"),
+        "rank_failures": Key(int, 2, check=_positive,
+                             doc="a strategy whose last N restarts in a row ended in recovery is ranked last"),
+        "rank_cooldown_s": Key((int, float), 3600.0, check=_seconds,
+                               doc="... until this long after its last failure, then it is tried first again"),
         "start_timeout_s": Key((int, float), 300.0, check=_seconds),
         "stop_timeout_s": Key((int, float), 30.0, check=_seconds),
         "canary_prompts": Key(list, ["The quick brown fox", "Restarting an inference server"], check=_canary),

@@ -32,6 +32,7 @@ class Record:
     time_to_ready_s: float | None = None
     first_completion_s: float | None = None
     downtime: dict | None = None  # measured by a client hammering the service (--measure-downtime, overlap)
+    context: dict = field(default_factory=dict)  # host, engine and version, weights, layout: what the times are valid for
     exit_code: int = EXIT_NOT_SERVING
 
     def finish(self, strict: bool) -> "Record":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from restartkit import evidence
 from restartkit import facts as host_facts
 from restartkit.contracts import Facts, Outcome, Plan
 from restartkit.errors import RestartkitError
@@ -28,6 +29,7 @@ def gather_facts(service: Service, reason: str, run_criu_check: bool = True) -> 
             facts.strategy[name] = strategy.gather(service, facts)
         except Exception as e:
             facts.strategy[name] = {"error": f"{type(e).__name__}: {e}"}
+    facts.evidence = evidence.gather(service, facts, list(facts.strategy))
     return facts
 
 
@@ -60,7 +62,7 @@ def restart(service: Service, requested: str = "auto", reason: str = "restart", 
 
 def _restart(service: Service, plan: Plan, facts: Facts, requested: str, reason: str, say, probe=None) -> Record:
     rec = Record(service=service.policy.name, policy=service.policy.path, requested=requested,
-                 reason=reason, plan=plan.to_dict())
+                 reason=reason, plan=plan.to_dict(), context=evidence.context(facts, service.policy))
     for note in plan.notes:
         say(note)
     if plan.attempt is None:

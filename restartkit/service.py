@@ -123,6 +123,9 @@ class Service:
         sf.engine_version = self.adapter.version()
         sf.overlap_problem = self.adapter.overlap_problem(self.policy)
         sf.engine_notes = self.adapter.plan_notes(self.policy)
+        if not sf.model_problem:
+            from restartkit.weightcache.fingerprint import local_checkpoint_identity
+            sf.model_digest = local_checkpoint_identity(s["model"]) or (f"{s['model']}@{s['revision']}" if s["revision"] else None)
         proc = self.current()
         if proc is not None:
             sf.engine_running, sf.pid = True, proc.pid

@@ -50,6 +50,7 @@ def bench_setup(default_work: str, default_port: int, extra=lambda p: None):
     work.mkdir(parents=True, exist_ok=True)
     model = Path(args.model) if args.model else work / "models" / args.preset
     if not (model / "config.json").exists():
+        model.parent.mkdir(parents=True, exist_ok=True)
         cli("model", "create", "--preset", args.preset, "--out", model, "--device", args.device)
     return args, out, work, model
 

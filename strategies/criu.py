@@ -36,8 +36,10 @@ class CriuStrategy(BaseStrategy):
         out["identity"] = identity(service, facts)
         snap = store_for(service).current()
         if snap is not None:
-            out.update(current=snap.id, suspect=snap.suspect, age_s=round(snap.age_s),
-                       tested=(snap.manifest.get("tested") or {}).get("ok"),
+            tested = snap.manifest.get("tested") or {}
+            out.update(current=snap.id, suspect=snap.suspect, age_s=round(snap.age_s), tested=tested.get("ok"),
+                       tested_phases=tested.get("phases") if tested.get("ok") else None, images_dir=str(snap.path),
+                       dump_phases=snap.manifest.get("phases"),
                        image_bytes=snap.manifest.get("image_bytes"),
                        mismatches=mismatches(snap.manifest["identity"], out["identity"]))
         return out

@@ -82,7 +82,7 @@ def test_a_single_file_checkpoint_is_pinned_for_snapshots(tmp_path):
 
     from restartkit.contracts import Facts, ServiceFacts
     from restartkit.policy import parse_policy
-    from restartkit.snapshot.ops import local_checkpoint_identity
+    from restartkit.weightcache.fingerprint import local_checkpoint_identity
     from restartkit.strategies.criu_checks import model_is_local, revision_pinned
     model = tmp_path / "model.gguf"
     model.write_bytes(b"GGUF" + b"\0" * 100)

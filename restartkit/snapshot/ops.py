@@ -26,6 +26,7 @@ from restartkit.snapshot.criu import Criu, CriuError, put_back_shm
 from restartkit.snapshot.cudackpt import CudaCheckpoint, fd_targets, uses_cuda
 from restartkit.snapshot.store import Snapshot, SnapshotStore, dir_bytes
 from restartkit.supervise import EngineProcess, Seam, kill_tree, reap, tree_pids
+from restartkit.weightcache.fingerprint import local_checkpoint_identity
 
 ENV_PREFIXES = ("CUDA_", "NCCL_", "TORCH_", "PYTORCH_", "VLLM_", "SGLANG_", "OMP_", "MKL_")
 
@@ -47,18 +48,6 @@ def snapshot_metrics(service, refresh: str | None = None) -> None:
 def env_hash(env: dict) -> str:
     relevant = sorted((k, v) for k, v in env.items() if k.startswith(ENV_PREFIXES))
     return hashlib.sha256(repr(relevant).encode()).hexdigest()[:16]
-
-
-def local_checkpoint_identity(model: str) -> str | None:
-    """A local checkpoint directory: its content digest; a single file (a GGUF, say): its size and
-    modification time (hashing many GB at every plan would cost more than it tells); a hub id: None."""
-    from restartkit.weightcache.fingerprint import checkpoint_digest
-    if os.path.isdir(model):
-        return checkpoint_digest(model)[0]
-    if os.path.isfile(model):
-        st = os.stat(model)
-        return f"file size {st.st_size} mtime_ns {st.st_mtime_ns}"
-    return None
 
 
 def identity(service, facts) -> dict:

@@ -99,3 +99,14 @@ def differences(daemon: dict, engine: dict) -> list[dict]:
 
 def describe(diffs: list[dict]) -> str:
     return "; ".join(f"{d['field']} differs (daemon {d['daemon']!r}, engine {d['engine']!r})" for d in diffs)
+
+
+def local_checkpoint_identity(model: str) -> str | None:
+    """A local checkpoint directory: its content digest; a single file (a GGUF, say): its size and
+    modification time (hashing many GB at every plan would cost more than it tells); a hub id: None."""
+    if os.path.isdir(model):
+        return checkpoint_digest(model)[0]
+    if os.path.isfile(model):
+        st = os.stat(model)
+        return f"file size {st.st_size} mtime_ns {st.st_mtime_ns}"
+    return None
