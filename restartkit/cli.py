@@ -410,8 +410,9 @@ def snapshot_create(policy_path, stop_engine, wait_s, as_json):
         snap = create(svc, facts, leave_running=not stop_engine, progress=say)
         snapshot_metrics(svc)
     emit({"id": snap.id, "path": str(snap.path), **snap.manifest}, as_json,
-         f"snapshot {snap.id} ({snap.manifest['image_bytes'] / 1e6:.1f} MB) is current; engine "
-         + ("stopped" if stop_engine else "still serving"))
+         f"snapshot {snap.id} ({snap.manifest['image_bytes'] / 1e6:.1f} MB"
+         + (", without the weights: restores through criu+ipc" if snap.manifest.get("kind") == "weightless" else "")
+         + ") is current; engine " + ("stopped" if stop_engine else "still serving"))
 
 
 @snapshot.command("restore")
@@ -421,8 +422,11 @@ def snapshot_create(policy_path, stop_engine, wait_s, as_json):
 @state_dir_option
 @friendly
 def snapshot_restore(policy_path, wait_s, as_json):
-    """Restore the current snapshot as the engine: the criu strategy, with its recovery path."""
-    restart_and_exit(policy_path, "criu", as_json, "snapshot restore", wait_s)
+    """Restore the current snapshot as the engine: criu (criu+ipc for a weights-less one), with its recovery path."""
+    from restartkit.snapshot.ops import store_for
+    cur = store_for(load(policy_path)).current()
+    strategy = "criu+ipc" if cur is not None and cur.manifest.get("kind") == "weightless" else "criu"
+    restart_and_exit(policy_path, strategy, as_json, "snapshot restore", wait_s)
 
 
 @snapshot.command("list")
@@ -436,10 +440,12 @@ def snapshot_list(policy_path, as_json):
     store = store_for(load(policy_path))
     cur = store.current()
     snaps = store.list()
-    rows = [{"id": s.id, "current": cur is not None and s.id == cur.id, "age_h": round(s.age_s / 3600, 2),
+    rows = [{"id": s.id, "kind": s.manifest.get("kind") or "full",
+             "current": cur is not None and s.id == cur.id, "age_h": round(s.age_s / 3600, 2),
              "image_bytes": s.manifest.get("image_bytes"), "suspect": s.suspect,
              "tested": (s.manifest.get("tested") or {}).get("ok")} for s in snaps]
-    text = "\n".join(f"{'*' if r['current'] else ' '} {r['id']}  {r['age_h']:>6.1f} h  {(r['image_bytes'] or 0) / 1e6:>8.1f} MB"
+    text = "\n".join(f"{'*' if r['current'] else ' '} {r['id']}  {r['kind']:<10} {r['age_h']:>6.1f} h  "
+                     f"{(r['image_bytes'] or 0) / 1e6:>8.1f} MB"
                      + {True: "  test-restored", False: "  test restore failed", None: ""}[r["tested"]]
                      + (f"  SUSPECT: {r['suspect']['reason']}" if r["suspect"] else "") for r in rows) or "no snapshots"
     emit({"snapshots": rows, "dir": str(store.root)}, as_json, text)
@@ -469,7 +475,9 @@ def snapshot_inspect(policy_path, snapshot_id, as_json):
     snap = _pick_snapshot(svc, snapshot_id)[1]
     miss = mismatches(snap.manifest["identity"], host_identity(svc, facts))
     data = {"id": snap.id, "path": str(snap.path), "mismatches": miss, **snap.manifest}
-    emit(data, as_json, f"{snap.id}: {snap.manifest['image_bytes'] / 1e6:.1f} MB, {snap.age_s / 3600:.1f} h old, "
+    kind = snap.manifest.get("kind") or "full"
+    emit(data, as_json, f"{snap.id} ({kind}{': restores through criu+ipc' if kind == 'weightless' else ''}): "
+         f"{snap.manifest['image_bytes'] / 1e6:.1f} MB, {snap.age_s / 3600:.1f} h old, "
          + ("matches this host" if not miss else "does NOT match: " + "; ".join(miss))
          + (f"; SUSPECT: {snap.suspect['reason']}" if snap.suspect else ""))
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from restartkit.policy import Policy
 
 # Every strategy by name, fastest first: the order `auto` tries when the policy gives none.
-STRATEGY_NAMES = ("sleep", "ipc", "criu", "cold")
+STRATEGY_NAMES = ("sleep", "criu+ipc", "ipc", "criu", "cold")
 RECOVERY = "cold"  # always available: the recovery path of every other strategy
 REASONS = ("restart", "crash", "config", "code", "weights")  # why restart
 FACT_TIMEOUT_S = 3.0  # per question asked of a running engine while facts are gathered: a hung one costs seconds

@@ -114,8 +114,10 @@ def _estimate(name: str, facts: Facts) -> tuple[float, str] | None:
             t = max(0.0, spawn - phases["weight_load"]) + attach
             return round(t, 3), (f"the running engine's cold start ({spawn:.2f} s) minus its weight load "
                                  f"({phases['weight_load']:.2f} s) plus an attach (~{attach:.1f} s)")
-    if name == "criu":
+    if name in ("criu", "criu+ipc"):
         snap = facts.of("criu")
+        if (snap.get("kind") == "weightless") != (name == "criu+ipc"):
+            return None  # the current snapshot is the other kind
         tested = snap.get("tested_phases")
         if tested:
             t = sum(v for k, v in tested.items() if k != "canary")

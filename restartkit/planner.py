@@ -52,8 +52,9 @@ def make_plan(facts: Facts, policy, requested: str, strategies: dict, overlap: b
             attempt = requested
         elif verdicts[requested].forceable:
             attempt = requested
-            notes.append(f"{requested} was asked for by name although it is not eligible; the engine handles "
-                         "that itself (it falls back to loading from disk and says why), recorded as a fallback")
+            notes.append(f"{requested} was asked for by name although it is not eligible; every reason is one it "
+                         "may get past (ipc: the engine falls back to loading from disk and says why, recorded as a "
+                         "fallback; criu+ipc on a GPU: not verified there), and a failure recovers cold")
         else:
             attempt = RECOVERY if cold_ok else None
             notes.append(f"{requested} was asked for but is not eligible; the restart goes straight to its recovery path (cold)")
@@ -158,9 +159,9 @@ def render_plan(plan: Plan) -> str:
                     else "  expected: unknown (built-in order)")
             if exp.get("failures"):
                 when += f"; {exp['failures']} recent failure(s)"
-        lines.append(f" {arrow} {name:<6} {mark}{when}")
+        lines.append(f" {arrow} {name:<8} {mark}{when}")
         for r in v.reasons:
-            lines.append(f"           - {r}")
+            lines.append(f"             - {r}")
     for n in plan.notes:
         lines.append(f"note: {n}")
     if plan.attempt:

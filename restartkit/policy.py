@@ -222,6 +222,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "test_restore": Key(bool, False, doc="refresh makes a new snapshot current only after a test restore beside the engine passed (restartkit snapshot test; CPU snapshots)"),
         "pid_wait_s": Key((int, float), 10.0, check=_seconds),
         "restore_timeout_s": Key((int, float), 600.0, check=_seconds),
+        "weights": Key(str, "auto", ("auto", "include", "exclude"),
+                       doc="auto: an engine that maps its weights from the weight cache is snapshotted without them "
+                           "(restored by criu+ipc, re-attached from the cache), any other with them; include: always "
+                           "with them (refused for an engine on the weight cache); exclude: always without them"),
     },
     "sleep": {
         "enabled": Key(bool, False, doc="start the engine with sleep mode (needed by the sleep strategy)"),

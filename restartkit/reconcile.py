@@ -91,9 +91,10 @@ def _continue_if_stopped(pid: int, say) -> None:
 
 def _try_adopt(service, pid: int, stale: dict, say) -> bool:
     adapter, policy = service.adapter, service.policy
-    if stale.get("kv_dropped") or stale.get("strategy") == "criu":
-        try:  # a restored engine, or one snapshotted, waits for its KV cache
-            adapter.after_resume(policy, timeout=10.0)
+    weights = stale.get("kv_dropped") == "weights" or stale.get("strategy") == "criu+ipc"
+    if stale.get("kv_dropped") or stale.get("strategy") in ("criu", "criu+ipc"):
+        try:  # a restored engine, or one snapshotted, waits for its KV cache (and its weights: weights-less)
+            adapter.after_resume(policy, timeout=10.0, weights=weights)
         except Exception as e:
             say(f"{policy.name}: PID {pid} did not take its KV cache back: {e}")
     try:

@@ -27,19 +27,25 @@ class CriuStrategy(BaseStrategy):
         if service.adapter is None or facts.service.model_problem:
             return out
         from restartkit.snapshot.cudackpt import fd_targets
-        from restartkit.snapshot.ops import identity, mismatches, store_for
+        from restartkit.snapshot.ops import arena_holders, identity, mismatches, store_for
         from restartkit.supervise import tree_pids
+        out["weightless_ok"] = service.adapter.weightless_snapshots
         if facts.service.pid:
-            fds = {p: fd_targets(p) for p in tree_pids(facts.service.pid)}
+            pids = tree_pids(facts.service.pid)
+            fds = {p: fd_targets(p) for p in pids}
             out["io_uring_pids"] = [p for p, t in fds.items() if any("io_uring" in x for x in t)]
-            out["ipc_attached"] = any("memfd:restartkit-arena" in x for t in fds.values() for x in t)
+            load = facts.service.stats.get("load") or {}
+            # the memfd arena on the CPU; a CUDA IPC mapping shows only in what the engine says of itself
+            out["ipc_attached"] = bool(arena_holders(pids)) or (load.get("source") == "ipc"
+                                                                 and load.get("mode") == "zero_copy")
         out["identity"] = identity(service, facts)
         snap = store_for(service).current()
         if snap is not None:
             tested = snap.manifest.get("tested") or {}
             out.update(current=snap.id, suspect=snap.suspect, age_s=round(snap.age_s), tested=tested.get("ok"),
                        tested_phases=tested.get("phases") if tested.get("ok") else None, images_dir=str(snap.path),
-                       dump_phases=snap.manifest.get("phases"),
+                       dump_phases=snap.manifest.get("phases"), kind=snap.manifest.get("kind") or "full",
+                       weight_cache=snap.manifest.get("weight_cache"),
                        image_bytes=snap.manifest.get("image_bytes"),
                        mismatches=mismatches(snap.manifest["identity"], out["identity"]))
         return out
@@ -58,7 +64,7 @@ class CriuStrategy(BaseStrategy):
         service.stop()
         phases["stop"] = round(time.monotonic() - t0, 4)
         try:
-            proc, restore_phases = restore(service, facts, snap)
+            proc, restore_phases, load = restore(service, facts, snap)
         except Exception as e:
             suspect = bool(getattr(e, "snapshot_fault", False))
             if suspect:
@@ -70,10 +76,15 @@ class CriuStrategy(BaseStrategy):
                                    "snapshot_marked_suspect": suspect})
         phases.update(restore_phases)
         phases["start_to_ready"] = round(time.monotonic() - t0 - phases["stop"], 4)
-        return Outcome(self.name, ok=True, phases=phases, pids=[proc.pid],
-                       proof={"path": f"CRIU restore of snapshot {snap.id}", "restored_pid": proc.pid,
-                              "snapshot": snap.id, "image_bytes": snap.manifest.get("image_bytes"),
-                              "snapshot_canary_matches": None})
+        out = Outcome(self.name, ok=True, phases=phases, pids=[proc.pid],
+                      proof={"path": f"CRIU restore of snapshot {snap.id}", "restored_pid": proc.pid,
+                             "snapshot": snap.id, "image_bytes": snap.manifest.get("image_bytes"),
+                             "snapshot_canary_matches": None})
+        self.prove(out, load)
+        return out
+
+    def prove(self, out: Outcome, load: dict) -> None:
+        """What besides the restore and the canary proves the path (criu: nothing more)."""
 
     def on_canary_failure(self, service, outcome: Outcome) -> None:
         from restartkit.snapshot.ops import store_for

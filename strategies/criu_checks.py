@@ -56,8 +56,17 @@ def io_uring_off(facts: Facts, policy) -> str | None:
 
 
 def not_ipc_attached(facts: Facts, policy) -> str | None:
-    if facts.of("criu").get("ipc_attached"):
-        return "the engine maps its weights from a weight-cache daemon; CRIU (and the driver) cannot checkpoint shared memory"
+    """A snapshot never holds the weight cache's memory: an engine that maps it is snapshotted
+    without its weights (re-attached after the restore: criu+ipc) where its adapter can, or not at all."""
+    c = facts.of("criu")
+    if not c.get("ipc_attached"):
+        return None
+    if policy.criu["weights"] == "include":
+        return ("the engine maps its weights from a weight-cache daemon and [criu] weights = 'include': CRIU (and "
+                "the driver) cannot checkpoint that shared memory; set weights = 'auto' to snapshot it without them")
+    if not c.get("weightless_ok"):
+        return (f"the engine maps its weights from a weight-cache daemon, and the {policy.service['engine']} adapter "
+                "cannot release them before a dump: CRIU (and the driver) cannot checkpoint that shared memory")
     return None
 
 
@@ -79,8 +88,7 @@ def gpu_checkpoint_api(facts: Facts, policy) -> str | None:
     return None
 
 
-def snapshot_ready(facts: Facts, policy) -> str | None:
-    c = facts.of("criu")
+def _snapshot_usable(c: dict, policy) -> str | None:
     if c.get("error"):
         return f"could not read the snapshot store: {c['error']}"
     if not c.get("current"):
@@ -89,6 +97,50 @@ def snapshot_ready(facts: Facts, policy) -> str | None:
         return f"snapshot {c['current']} is marked suspect ({c['suspect']['reason']}); refresh it: restartkit snapshot refresh"
     if c.get("mismatches"):
         return f"snapshot {c['current']} was taken for another host or engine: " + "; ".join(c["mismatches"])
+    return None
+
+
+def snapshot_ready(facts: Facts, policy) -> str | None:
+    c = facts.of("criu")
+    if problem := _snapshot_usable(c, policy):
+        return problem
+    if c.get("kind") == "weightless":
+        return (f"snapshot {c['current']} holds no weights (taken while the engine mapped them from the weight "
+                "cache): it restores through criu+ipc")
+    return None
+
+
+def weightless_snapshot_ready(facts: Facts, policy) -> str | None:
+    c = facts.of("criu")
+    if problem := _snapshot_usable(c, policy):
+        return problem
+    if c.get("kind") != "weightless":
+        return (f"snapshot {c['current']} holds the weights (taken while the engine loaded them from disk): it "
+                "restores through criu; a weights-less one is taken of an engine that maps its weights from the "
+                f"weight cache (`restartkit restart --strategy ipc`, then `restartkit snapshot create --policy {policy.path}`)")
+    return None
+
+
+def weight_cache_matches_snapshot(facts: Facts, policy) -> str | None:
+    """Every rank's daemon serves exactly the weights the snapshot's engine was attached to."""
+    from restartkit.weightcache.fingerprint import describe, differences
+    c, ipc = facts.of("criu"), facts.of("ipc")
+    want = c.get("weight_cache") or []
+    if c.get("kind") != "weightless" or not want:
+        return None
+    if ipc.get("error"):
+        return f"could not ask the weight-cache daemons: {ipc['error']}"
+    daemons = ipc.get("daemons") or []
+    if not daemons or any(d.get("state") != "ready" for d in daemons[:len(want)]):
+        which = next((d for d in daemons if d.get("state") != "ready"), None)
+        state = f"{which['device_uuid']} is {which.get('state')}" if which else "no daemon information"
+        return (f"the weights-less snapshot {c['current']} needs its weight cache running ({state}): "
+                f"`restartkit preload --policy {policy.path}`")
+    diffs = [f"{d['device_uuid']}: {describe(x)}" for d, w in zip(daemons, want)
+             if (x := differences(d.get("fingerprint") or {}, w))]
+    if diffs:
+        return (f"the weight cache holds other weights than snapshot {c['current']} was attached to: "
+                + " | ".join(diffs))
     return None
 
 
@@ -108,4 +160,20 @@ def revision_pinned(facts: Facts, policy) -> str | None:
 
 SNAPSHOT_PREREQUISITES = [linux_x86_64, root_or_sudo, single_device, criu_usable, io_uring_off, revision_pinned,
                           not_ipc_attached, gpu_checkpoint_api, disk_room]
-PREREQUISITES = SNAPSHOT_PREREQUISITES + [snapshot_ready]
+# restoring a full snapshot does not care how the engine it replaces got its weights
+PREREQUISITES = [p for p in SNAPSHOT_PREREQUISITES if p is not not_ipc_attached] + [snapshot_ready]
+def reattach_verified_on_device(facts: Facts, policy) -> str | None:
+    """criu+ipc is proven on the CPU; on a GPU its restore has not yet re-attached the weights."""
+    if policy.service["device"] != "cuda":
+        return None
+    return ("criu+ipc is not verified on a GPU: on the H200 the weights-less snapshot was taken (1.55 GB for 8B "
+            "shapes) but the restored engine did not take its weights back (docs/BENCHMARKS.md); auto never picks "
+            "it there; `restart --strategy criu+ipc` tries it, with cold as recovery")
+
+
+# asked for by name it runs (and a failure recovers cold); auto never picks it
+reattach_verified_on_device.forceable = lambda policy: True
+
+WEIGHTLESS_PREREQUISITES = [linux_x86_64, root_or_sudo, single_device, criu_usable, io_uring_off, revision_pinned,
+                            gpu_checkpoint_api, weightless_snapshot_ready, weight_cache_matches_snapshot,
+                            reattach_verified_on_device]

@@ -89,13 +89,22 @@ class EngineAdapter:
         """What `plan` should say about this engine beyond the strategies' reasons."""
         return []
 
-    def before_snapshot(self, policy) -> dict:
-        """Shrink the process before a dump (e.g. free the KV cache); returns what it did."""
+    # can the engine let go of the weights it maps from the weight cache before a dump, and map them
+    # again after (a weights-less snapshot, restored by the criu+ipc strategy)?
+    weightless_snapshots = False
+
+    def before_snapshot(self, policy, weights: bool = False) -> dict:
+        """Shrink the process before a dump (free the KV cache; with `weights`, let go of the
+        weights mapped from the weight cache too); returns what it did."""
+        if weights:
+            raise NotImplementedError(f"the {self.name} adapter cannot release its weights before a dump")
         return {}
 
-    def after_resume(self, policy, timeout: float = 120.0) -> None:
-        """Undo before_snapshot once the process runs again (after a dump or a restore)."""
-        return None
+    def after_resume(self, policy, timeout: float = 120.0, weights: bool = False) -> dict:
+        """Undo before_snapshot once the process runs again (after a dump or a restore); with
+        `weights`, map the weights from the weight cache again, a missing cache being an error.
+        Returns how the weights came back (the engine's load info), {} without `weights`."""
+        return {}
 
     def served_name(self, policy) -> str:
         return policy.service["model"]

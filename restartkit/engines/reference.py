@@ -81,8 +81,16 @@ class ReferenceAdapter(EngineAdapter):
         return {"enabled": True, "asleep": bool(sleep.get("level")), "level": sleep.get("level") or None,
                 "last": sleep.get("last") or {}}
 
-    def before_snapshot(self, policy) -> dict:
+    weightless_snapshots = True
+
+    def before_snapshot(self, policy, weights: bool = False) -> dict:
+        if weights:
+            return http.post(self.base_url(policy) + "/admin/release_weights", timeout=60)
         return {"kv_cache_freed_bytes": http.post(self.base_url(policy) + "/admin/drop_kv_cache", timeout=60).get("freed_bytes", 0)}
 
-    def after_resume(self, policy, timeout: float = 120.0) -> None:
+    def after_resume(self, policy, timeout: float = 120.0, weights: bool = False) -> dict:
+        if weights:
+            return http.post(self.base_url(policy) + "/admin/reattach_weights", {"fallback": False},
+                             timeout=timeout).get("load") or {}
         http.post(self.base_url(policy) + "/admin/restore_kv_cache", timeout=timeout)
+        return {}

@@ -84,9 +84,3 @@ class SGLangAdapter(EngineAdapter):
 
     def ipc_args(self, policy) -> list[str]:
         return ["--weight-cache-mode", "client"]
-
-    def before_snapshot(self, policy) -> dict:
-        return {}
-
-    def after_resume(self, policy, timeout: float = 120.0) -> None:
-        return None

@@ -147,13 +147,6 @@ class VLLMAdapter(EngineAdapter):
             return {"enabled": False, "asleep": None, "level": None, "why": why}
         return {"enabled": True, "asleep": asleep, "level": None}
 
-    # ---- snapshots ---------------------------------------------------------------
-    def before_snapshot(self, policy) -> dict:
-        return {}
-
-    def after_resume(self, policy, timeout: float = 120.0) -> None:
-        return None
-
 
 def gpu_sleep_problem(policy) -> str | None:
     """Why a GPU vLLM cannot run this policy's sleep cycles (None: it can)."""

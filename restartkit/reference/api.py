@@ -7,6 +7,8 @@
   GET  /admin/stats       init phases and their times, load source, memory
   POST /admin/drop_kv_cache   free the KV cache (before a snapshot)
   POST /admin/restore_kv_cache
+  POST /admin/release_weights   let go of the weights mapped from the weight cache, and the KV cache
+  POST /admin/reattach_weights  map them again ({"fallback": false}: a missing cache is an error), KV cache back
   POST /sleep, /wake_up; GET /is_sleeping   sleep mode (vLLM's interface)
 """
 from __future__ import annotations
@@ -162,6 +164,22 @@ class Handler(BaseHTTPRequestHandler):
                 return
             elif path == "/admin/drop_kv_cache":
                 self._admin_drop_kv()
+            elif path == "/admin/release_weights":
+                self.server.state.ready = False
+                try:
+                    self._send(200, self.server.state.engine.release_weights())
+                except ValueError as e:
+                    self.server.state.ready = self.server.state.engine.model is not None
+                    self._error(409, str(e), "conflict")
+            elif path == "/admin/reattach_weights":
+                fallback = bool((body or {}).get("fallback", False))
+                try:
+                    info = self.server.state.engine.reattach_weights(fallback=fallback)
+                except RuntimeError as e:  # the loader: the weight cache is gone or holds other weights
+                    self._error(409, str(e), "conflict")
+                    return
+                self.server.state.ready = True
+                self._send(200, {"load": info, "kv_cache_bytes": self.server.state.engine.model.kv_cache_bytes})
             elif path == "/admin/restore_kv_cache":
                 self.server.state.engine.restore_kv_cache()
                 self.server.state.ready = True

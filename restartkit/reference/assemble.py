@@ -70,7 +70,9 @@ def _ipc_weights(engine, args, is_draft: bool = False):
     from restartkit.weightcache.fingerprint import fingerprint
     from restartkit.weightcache.loader import attach
 
-    def weights():
+    def weights(fallback: bool | None = None):
+        """`fallback`: None keeps the engine's --ipc-config; False makes a missing or different
+        weight cache an error naming the field (a re-attach after a restore)."""
         o = engine.options
         dtype_name = str(engine.dtype).replace("torch.", "")
         global_rank = args.data_parallel_rank * o.tp_size + o.tp_rank
@@ -78,7 +80,7 @@ def _ipc_weights(engine, args, is_draft: bool = False):
         fp = fingerprint(o.model, tp_size=o.tp_size, tp_rank=o.tp_rank, dp_size=args.data_parallel_size,
                          dp_rank=args.data_parallel_rank, expert_parallel=o.expert_parallel, dtype=dtype_name,
                          quantization=o.quantization, revision=args.revision, draft=is_draft)
-        attach(engine, args.ipc, uuid, fp, draft=is_draft)
+        attach(engine, args.ipc if fallback is None else {**args.ipc, "fallback": fallback}, uuid, fp, draft=is_draft)
     return weights
 
 

@@ -70,6 +70,13 @@ PRESETS: dict[str, Preset] = {
         max_shard_bytes=5 * 10**9,
         about="Llama-3-8B shapes, about 16 GB in bfloat16; GPU benchmarks",
     ),
+    "14b-shape": Preset(
+        ModelConfig(vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                    num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=8192,
+                    torch_dtype="bfloat16"),
+        max_shard_bytes=5 * 10**9,
+        about="14B shapes (48 layers of 5120, a 152k vocabulary), about 29.5 GB in bfloat16; size-independence benchmarks",
+    ),
 }
 
 

@@ -365,6 +365,44 @@ class Engine:
             if self.device.type == "cuda" and self.options.cuda_graph and self.options.tp_size == 1:
                 self.capture_decode_graph()
 
+    # ---- weights released before a weights-less snapshot, re-attached after ---------------
+    def release_weights(self) -> dict:
+        """Let go of the weights this engine maps from the weight cache (and of its KV cache):
+        no tensor, mapping or handle of the arena is left in this process, so a snapshot of it
+        holds neither.  Only for weights that came from the weight cache: they can come back."""
+        import gc
+        with self.lock:
+            if self.options.tp_size > 1 or self.draft is not None:
+                raise ValueError("weights are released at tensor_parallel_size 1 without a draft model only")
+            if self.model is None:
+                return {"weights_released_bytes": 0, "kv_cache_freed_bytes": 0, "already": True}
+            if self.load_info.get("source") != "ipc":
+                raise ValueError(f"the weights came from {self.load_info.get('source')}, not the weight cache: "
+                                 "there is nothing to re-attach them from")
+            freed_kv = self._drop_kv_locked()
+            nbytes = self.weight_bytes()
+            self.model = None
+            mapping, self._ipc_mapping = getattr(self, "_ipc_mapping", None), None
+            gc.collect()
+            if mapping is not None:
+                mapping.close()  # the memfd arena (CPU): unmapped; its fd was closed at attach
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                torch.cuda.ipc_collect()  # the CUDA IPC handle: closed once no storage holds it
+            return {"weights_released_bytes": nbytes, "kv_cache_freed_bytes": freed_kv}
+
+    def reattach_weights(self, fallback: bool = False) -> dict:
+        """Map the weights from the weight cache again (after a restore, in the restored process),
+        then the KV cache and the decode graph; returns how the weights came (load_info)."""
+        with self.lock:
+            if self.model is None:
+                t0 = time.perf_counter()
+                self._weights(fallback=fallback)
+                self.load_info["reattach_s"] = round(time.perf_counter() - t0, 4)
+            self._restore_kv_locked()
+            return dict(self.load_info)
+
     def weight_bytes(self) -> int:
         if self.model is None:
             return 0

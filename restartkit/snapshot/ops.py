@@ -82,8 +82,27 @@ def mismatches(snapshot_identity: dict, host_identity: dict) -> list[str]:
             if snapshot_identity.get(k) != host_identity.get(k)]
 
 
-def dump_blockers(pids: list[int]) -> list[str]:
-    """Descriptors CRIU cannot dump, named with the fix."""
+REATTACH_TIMEOUT_S = 60.0  # a restored weights-less engine re-attaching its weights (and its KV cache)
+ARENA = "memfd:restartkit-arena"  # the weight cache's shared memory on the CPU (an fd or a mapping of it)
+
+
+def arena_holders(pids: list[int]) -> list[int]:
+    """Processes of the tree that hold or map a weight-cache arena."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                mapped = any(ARENA in line for line in f)
+        except OSError:
+            mapped = False
+        if mapped or any(ARENA in t for t in fd_targets(pid)):
+            out.append(pid)
+    return out
+
+
+def dump_blockers(pids: list[int], weightless: bool = False) -> list[str]:
+    """Descriptors CRIU cannot dump, named with the fix.  A weights-less snapshot releases the
+    weight-cache arena before the dump (checked again then), so it is not a blocker here."""
     out = []
     for pid in pids:
         for target in fd_targets(pid):
@@ -91,9 +110,22 @@ def dump_blockers(pids: list[int]) -> list[str]:
                 out.append(f"PID {pid} holds an io_uring ({target}): set kernel.io_uring_disabled=2 before the engine starts")
             elif target.startswith("/dev/infiniband"):
                 out.append(f"PID {pid} holds {target}: RDMA devices cannot be checkpointed")
-            elif "memfd:restartkit-arena" in target:
-                out.append(f"PID {pid} maps a weight-cache arena: an ipc-attached engine cannot be snapshotted")
+    if not weightless:
+        out += [f"PID {p} maps a weight-cache arena: an ipc-attached engine is snapshotted without its weights "
+                "([criu] weights = 'auto' or 'exclude'), never with them" for p in arena_holders(pids)]
     return out
+
+
+def snapshot_kind(service, facts) -> str:
+    """"weightless" (the weights stay in the weight cache and are re-attached after the restore:
+    the criu+ipc strategy) when the engine maps them from the cache, else "full"; [criu] weights
+    = include | exclude forces one kind."""
+    want = service.policy.criu["weights"]
+    if want == "include":
+        return "full"
+    if want == "exclude":
+        return "weightless"
+    return "weightless" if facts.of("criu").get("ipc_attached") else "full"
 
 
 def create(service, facts, leave_running: bool = True, progress: Callable[[str], None] = lambda _m: None,
@@ -104,7 +136,18 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
     crit = Criu(facts.host.criu.path)
     store = store_for(service)
     pids = tree_pids(proc.pid)
-    if blockers := dump_blockers(pids):
+    kind = snapshot_kind(service, facts)
+    weightless = kind == "weightless"
+    if weightless and not service.adapter.weightless_snapshots:
+        raise UsageError(f"the {service.adapter.name} adapter cannot release its weights before a dump, so a "
+                         "snapshot without the weights cannot be taken",
+                         hint="start the engine without the weight cache, or set [criu] weights = 'include'")
+    if weightless and not facts.of("criu").get("ipc_attached"):
+        raise StrategyError("[criu] weights = 'exclude', but the engine loaded its weights from disk: there is no "
+                            "weight cache to re-attach them from after a restore",
+                            hint=f"restart it through the weight cache first (restartkit restart --policy "
+                                 f"{service.policy.path} --strategy ipc), or set [criu] weights = 'auto'")
+    if blockers := dump_blockers(pids, weightless):
         raise StrategyError("the engine cannot be dumped: " + "; ".join(blockers))
     if secrets := secret_names(proc.pid):
         what = ", ".join(secrets)
@@ -128,10 +171,13 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
     try:
         check_interrupted(service, "the snapshot was not taken; the engine keeps serving")
         t = time.monotonic()
-        service.intent.update(kv_dropped=True)
-        shrunk = adapter.before_snapshot(pol)
+        service.intent.update(kv_dropped="weights" if weightless else True)
+        shrunk = adapter.before_snapshot(pol, weights=weightless)
         kv_dropped = True
-        phases["drop_kv_cache"] = round(time.monotonic() - t, 3)
+        phases["release_weights" if weightless else "drop_kv_cache"] = round(time.monotonic() - t, 3)
+        if weightless and (held := arena_holders(pids)):
+            raise StrategyError(f"PID {held[0]} still maps the weight-cache arena after releasing its weights: "
+                                "the snapshot would hold them", hint="report this: the engine kept a reference")
         if cuda:
             progress("moving device memory to the host (CUDA checkpoint API)")
             t = time.monotonic()
@@ -148,13 +194,13 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
         phases["criu_dump"] = round(time.monotonic() - t, 3)
     except BaseException:
         if not dumped or leave_running:
-            _put_back(service, pids, cuda if checkpointed else None, kv_dropped)
+            _put_back(service, pids, cuda if checkpointed else None, kv_dropped, weightless)
         _discard(images, service)
         raise
     if leave_running:
         t = time.monotonic()
         try:
-            _put_back(service, pids, cuda if checkpointed else None, kv_dropped)
+            reattached = _put_back(service, pids, cuda if checkpointed else None, kv_dropped, weightless)
         except Exception as e:
             _discard(images, service)
             raise StrategyError(f"the engine did not come back after the dump: {e}",
@@ -164,11 +210,17 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
     else:
         service.pidfile.unlink(missing_ok=True)
     manifest = {
-        "created_at": time.time(), "service": service.policy.name, "pid": proc.pid, "tree_pids": pids,
+        "kind": kind, "created_at": time.time(), "service": service.policy.name, "pid": proc.pid, "tree_pids": pids,
         "gpu": gpu, "identity": ident, "canary": {"prompts": service.policy.restart["canary_prompts"], "tokens": canary},
         "criu_via": crit.last_via, "phases": phases, "kv_cache_freed_bytes": shrunk.get("kv_cache_freed_bytes", 0), "image_bytes": dir_bytes(images),
         "left_running": leave_running, "files": image_sizes(images),
     }
+    if weightless:
+        # what the restore re-attaches: the weight cache's fingerprint for each rank, as the engine asked for it
+        manifest["weight_cache"] = weight_cache_fingerprints(facts)
+        manifest["weights_released_bytes"] = shrunk.get("weights_released_bytes", 0)
+        if leave_running:
+            manifest["reattach"] = {k: reattached.get(k) for k in ("ipc", "mode", "attach_s", "reattach_s")}
     private_files(images)
     snap = store.commit(images, manifest, make_current)
     store.prune(service.policy.criu["keep"])
@@ -232,14 +284,22 @@ def cuda_pids(pids: list[int]) -> list[int]:
     return [p for p in pids if uses_cuda(p)]
 
 
-def _put_back(service, pids: list[int], cuda: CudaCheckpoint | None, kv_dropped: bool) -> None:
+def _put_back(service, pids: list[int], cuda: CudaCheckpoint | None, kv_dropped: bool, weights: bool = False) -> dict:
+    """The engine as it was before the dump: device memory back, weights re-attached, KV cache back."""
     if cuda is not None:
         for p in cuda_pids(pids):
             cuda.restore(p)
             cuda.unlock(p)
+    out = {}
     if kv_dropped:
-        service.adapter.after_resume(service.policy)
+        out = service.adapter.after_resume(service.policy, weights=weights)
         service.intent.update(kv_dropped=False)
+    return out
+
+
+def weight_cache_fingerprints(facts) -> list[dict]:
+    """The fingerprints the engine asks the weight cache for, one per rank (ipc's gathered facts)."""
+    return list(facts.of("ipc").get("expected") or [])
 
 
 def image_sizes(images: Path) -> dict[str, int]:
@@ -277,8 +337,9 @@ def snapshot_fault(e: Exception) -> Exception:
     return e
 
 
-def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict]:
-    """Restore `snap` as the service's engine; returns the process and phases.
+def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict, dict]:
+    """Restore `snap` as the service's engine; returns the process, the phases and, for a
+    weights-less snapshot, how its weights came back (the engine's load info: ipc hit).
     Raises StrategyError (CriuError with the log tail) on any failure; the
     caller kills what is left and runs recovery.  Only a failure of the images
     themselves carries `snapshot_fault`: a host that does not match, PIDs or a
@@ -323,11 +384,17 @@ def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict]:
                 cuda.unlock(p)
             phases["cuda_restore"] = round(time.monotonic() - t, 3)
         t = time.monotonic()
+        weightless = snap.manifest.get("kind") == "weightless"
         try:
-            service.adapter.after_resume(service.policy, timeout=max(1.0, deadline - time.monotonic()))
+            # a re-attach maps one handle and allocates the KV cache: seconds at most, whatever the start timeout
+            limit = max(1.0, deadline - time.monotonic())
+            load = service.adapter.after_resume(service.policy, timeout=min(limit, REATTACH_TIMEOUT_S) if weightless
+                                                else limit, weights=weightless)
         except Exception as e:
-            raise StrategyError(f"the restored engine (PID {pid}) did not take its KV cache back: {e}") from None
-        phases["kv_cache_restore"] = round(time.monotonic() - t, 3)
+            what = "its weights from the weight cache" if weightless else "its KV cache"
+            raise StrategyError(f"the restored engine (PID {pid}) did not take {what} back: "
+                                f"{getattr(e, 'message', None) or e}") from None
+        phases["reattach_weights" if weightless else "kv_cache_restore"] = round(time.monotonic() - t, 3)
         t = time.monotonic()
         remaining = max(1.0, deadline - time.monotonic())
         proc.wait_ready(lambda: service.adapter.probe(service.policy, timeout=min(30.0, remaining)), remaining)
@@ -336,8 +403,8 @@ def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict]:
         kill_tree(pid)
         service.pidfile.unlink(missing_ok=True)
         raise
-    service.mark_ready(proc, "criu")
-    return proc, phases
+    service.mark_ready(proc, "criu+ipc" if weightless else "criu")
+    return proc, phases, load
 
 
 def _name(pid: int) -> str:

@@ -1,0 +1,122 @@
+"""criu+ipc for real on the CPU: an engine that maps its weights from the weight cache (memfd
+arena) is snapshotted without them, restored by CRIU, and re-attached from the cache; the
+faults: the cache gone at the restore, the cache holding other weights, restartkit killed
+while the weights are released."""
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.conftest import RESTARTKIT, ROOT, run_cli
+from tests.test_criu import CRIU, engines_on
+from tests.test_ipc import ipc_policy, preloads, sockdir, start_preload  # noqa: F401  (fixtures)
+
+pytestmark = [
+    pytest.mark.slow, pytest.mark.root,
+    pytest.mark.skipif(os.getuid() != 0, reason="CRIU needs root"),
+    pytest.mark.skipif(not CRIU.check_ok, reason=f"no working CRIU here ({CRIU.source}): scripts/install-criu"),
+]
+
+
+@pytest.fixture
+def on_cache(make_policy, sockdir, preloads, service_cleanup):  # noqa: F811
+    """A serving engine that maps its weights zero_copy from a running weight cache."""
+    policy = ipc_policy(make_policy, sockdir, ipc_extra='mode = "zero_copy"\n')
+    policy.write_text(policy.read_text() + "\n[criu]\npid_wait_s = 5.0\n")
+    service_cleanup(policy)
+    launcher = start_preload(policy, preloads)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    r = json.loads(run_cli("restart", "--policy", policy, "--strategy", "ipc", "--json").stdout)
+    assert r["served_by"] == "ipc" and r["attempts"][-1]["proof"]["ipc"] == "hit", r
+    return policy, launcher
+
+
+def create(policy):
+    r = run_cli("snapshot", "create", "--policy", policy, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def plan(policy):
+    return json.loads(run_cli("plan", "--policy", policy, "--json").stdout)
+
+
+def verdict(p, name):
+    return next(s for s in p["strategies"] if s["strategy"] == name)
+
+
+def test_a_weightless_snapshot_restores_through_criu_ipc(on_cache):
+    policy, _ = on_cache
+    snap = create(policy)
+    assert snap["kind"] == "weightless" and snap["weights_released_bytes"] > 0
+    assert snap["weight_cache"] and snap["weight_cache"][0]["checkpoint"]  # the fingerprint the engine asked for
+    assert snap["reattach"]["ipc"] == "hit"  # the engine took its weights back after the dump
+    listing = json.loads(run_cli("snapshot", "list", "--policy", policy, "--json").stdout)["snapshots"]
+    assert listing[-1]["kind"] == "weightless"
+    p = plan(policy)
+    assert verdict(p, "criu+ipc")["eligible"] and p["attempt"] == "criu+ipc", p
+    assert any("restores through criu+ipc" in r for r in verdict(p, "criu")["reasons"])
+    r = run_cli("restart", "--policy", policy, "--json")
+    rec = json.loads(r.stdout)
+    assert r.returncode == 0 and rec["served_by"] == "criu+ipc" and not rec["via_recovery"], rec
+    a = rec["attempts"][-1]
+    assert a["proof"]["ipc"] == "hit" and a["proof"]["canary"]["canary_identical"] is True
+    assert "reattach_weights" in a["phases"] and "criu_restore" in a["phases"]
+    assert engines_on(policy) == [a["proof"]["restored_pid"]]
+    # the restored engine maps the cache again: the next snapshot is weights-less too, and restores again
+    create(policy)
+    rec = json.loads(run_cli("snapshot", "restore", "--policy", policy, "--json").stdout)
+    assert rec["served_by"] == "criu+ipc" and rec["proof"]["canary_identical"] is True
+
+
+def test_a_weight_cache_gone_at_the_restore_recovers_and_keeps_the_snapshot(on_cache, tmp_path):
+    """The cache dies between the plan and the re-attach (a CRIU that stops it after restoring):
+    the restored engine cannot take its weights; recovery starts cold; the snapshot stays, not suspect."""
+    policy, launcher = on_cache
+    snap = create(policy)
+    w = tmp_path / "criu-stops-cache"
+    w.write_text(f'#!/bin/sh\n{CRIU.path} "$@"; rc=$?\n[ "$1" = restore ] && kill -TERM {launcher.pid} && sleep 1\nexit $rc\n')
+    w.chmod(0o755)
+    policy.write_text(policy.read_text().replace("[criu]\n", f'[criu]\ncriu_path = "{w}"\n'))
+    rec = json.loads(run_cli("restart", "--policy", policy, "--strategy", "criu+ipc", "--json").stdout)
+    assert rec["final_state"] == "serving" and rec["served_by"] == "cold" and rec["via_recovery"], rec
+    failed = rec["attempts"][0]
+    assert failed["strategy"] == "criu+ipc" and "weights from the weight cache" in failed["error"], failed
+    assert failed["detail"]["snapshot_kept"] and not failed["detail"]["snapshot_marked_suspect"]
+    listing = json.loads(run_cli("snapshot", "list", "--policy", policy, "--json").stdout)["snapshots"]
+    assert listing[-1]["id"] == snap["id"] and not listing[-1]["suspect"]
+    # with the cache down, plan says what criu+ipc needs
+    p = plan(policy)
+    assert any("needs its weight cache running" in r or "preload" in r for r in verdict(p, "criu+ipc")["reasons"]), p
+
+
+def test_a_cache_with_other_weights_is_named_by_field(on_cache, preloads, tmp_path):  # noqa: F811
+    policy, launcher = on_cache
+    create(policy)
+    launcher.send_signal(signal.SIGTERM)
+    launcher.wait(30)
+    start_preload(policy, preloads, "--dtype", "bfloat16")  # the same model, processed to another dtype
+    reasons = verdict(plan(policy), "criu+ipc")["reasons"]
+    assert any("holds other weights than snapshot" in r and "dtype" in r for r in reasons), reasons
+
+
+def test_restartkit_killed_while_the_weights_are_released_is_reconciled(on_cache):
+    """SIGKILL to `snapshot create` after the engine let go of its weights: the next command
+    gives them back (and the KV cache), and the engine serves the same canary."""
+    policy, _ = on_cache
+    before = json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]
+    p = subprocess.Popen([*RESTARTKIT, "snapshot", "create", "--policy", str(policy)], stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, cwd=ROOT)
+    for line in p.stderr:
+        if "dumping PID" in line:
+            break
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait(30)
+    time.sleep(0.5)
+    st = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
+    assert st["serving"] and st["pid"] == before, st
+    rec = json.loads(run_cli("restart", "--policy", policy, "--strategy", "ipc", "--json").stdout)
+    assert rec["proof"]["canary_identical"] is True
