@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -196,16 +197,52 @@ def status(policy_path, as_json):
     _reconcile_if_free(svc)
     proc = svc.current()
     ready = proc is not None and svc.is_ready()
+    from restartkit.supervisor import read_state
     last = read_history(svc.state_dir, last=1)
+    sup = read_state(svc.state_dir)
     data = {"service": svc.policy.name, "running": proc is not None, "pid": proc.pid if proc else None,
-            "serving": ready, "last_restart": last[0] if last else None, "state_dir": str(svc.state_dir)}
+            "serving": ready, "last_restart": last[0] if last else None, "state_dir": str(svc.state_dir),
+            "supervisor": sup}
     text = f"{svc.policy.name}: " + ("serving" if ready else "running, not answering" if proc else "not running")
     if proc:
         text += f" (PID {proc.pid})"
     if last:
         text += f"; last restart: {last[0]['final_state']} by {last[0]['served_by']}"
+    if sup:
+        import time as _time
+        text += (f"\nsupervised by PID {sup['pid']} (up {_time.time() - sup['started_at']:.0f} s; "
+                 f"{sup['failures_in_interval']} failure(s) in the last {sup['interval_s']:.0f} s")
+        if sup.get("restarts"):
+            r = sup["restarts"][-1]
+            text += (f"; last restart ({r['reason']}): {r['final_state']} by {r['served_by']} in "
+                     f"{r['time_to_ready_s']} s, {r.get('noticed_to_serving_s')} s after it was noticed")
+        text += ")"
     emit(data, as_json, text)
     sys.exit(EXIT_SERVING if ready else EXIT_NOT_SERVING)
+
+
+@main.command()
+@policy_option
+@click.option("--install-unit", is_flag=True, help="Write a systemd unit (Type=notify) that runs this, and exit.")
+@click.option("--unit-dir", default="/etc/systemd/system", show_default=True,
+              type=click.Path(file_okay=False, exists=True, writable=True))
+@click.option("--watchdog-sec", type=click.IntRange(min=0, max=86400), default=0, show_default=True,
+              help="With --install-unit: WatchdogSec= of the unit (0: none).")
+@state_dir_option
+@friendly
+def supervise(policy_path, install_unit, unit_dir, watchdog_sec):
+    """Run the engine in the foreground and bring it back on a crash or a hang (auto, reason crash).
+
+    SIGTERM/SIGINT stop it and exit 0; SIGHUP restarts it (reason restart).  Too many failures
+    within [supervise] start_limit_interval_s: the engine is left stopped and this exits 1."""
+    from restartkit.supervisor import Supervisor, install_unit as write_unit
+    svc = load(policy_path)
+    if install_unit:
+        path = write_unit(svc, unit_dir, watchdog_sec)
+        click.echo(f"wrote {path}")
+        click.echo(f"enable it: systemctl daemon-reload && systemctl enable --now {Path(path).name}")
+        return
+    sys.exit(Supervisor(svc, say=say).run())
 
 
 def _reconcile_if_free(svc) -> None:

@@ -84,7 +84,15 @@ def gather(service, facts: Facts, names, now: float | None = None) -> dict[str, 
     """Measured evidence from the history, then estimates where there is none."""
     now = time.time() if now is None else now
     ctx = context(facts, service.policy)
-    evidence = summarize(read_history(service.state_dir, HISTORY_LINES), ctx, service.policy, names, now)
+    try:
+        records = read_history(service.state_dir, HISTORY_LINES)
+        unreadable = None
+    except (OSError, UnicodeDecodeError) as e:  # evidence is a nicety: an unreadable history never stops a restart
+        records, unreadable = [], f"history.jsonl unreadable ({getattr(e, 'strerror', None) or e})"
+    evidence = summarize(records, ctx, service.policy, names, now)
+    if unreadable:
+        for ev in evidence.values():
+            ev.detail = unreadable
     for name, ev in evidence.items():
         if ev.source == "measured":
             continue

@@ -95,13 +95,27 @@ def expected_value(ev: Evidence | None, ranked_by: str) -> float | None:
     return ev.time_s
 
 
+MARGIN = 0.1  # a strategy overtakes one the built-in order puts first only when faster by more than 10 %
+MARGIN_S = 0.2  # ... and by more than 0.2 s: closer than that is noise, and the built-in order stands
+
+
+def _faster(a: float, b: float) -> bool:
+    return a < b * (1 - MARGIN) and b - a > MARGIN_S
+
+
 def rank(allowed: list[str], evidence: dict[str, Evidence], ranked_by: str) -> tuple[list[str], dict]:
     """Fastest first by evidence.  A strategy without a number keeps its place in the built-in
-    order; those with numbers are sorted among the places they hold.  A strategy that failed
-    recently (still cooling down) goes last."""
+    order; those with numbers are sorted among the places they hold, one overtaking another only
+    when clearly faster (MARGIN, MARGIN_S).  A strategy that failed recently (still cooling
+    down) goes last."""
     value = {s: expected_value(evidence.get(s), ranked_by) for s in allowed}
     numbered = [s for s in allowed if value[s] is not None]
-    slots = iter(sorted(numbered, key=lambda s: (value[s], allowed.index(s))))
+    ordered = list(numbered)
+    for _ in range(len(ordered)):  # a bubble sort with a margin: few strategies, a stable result
+        for i in range(len(ordered) - 1):
+            if _faster(value[ordered[i + 1]], value[ordered[i]]):
+                ordered[i], ordered[i + 1] = ordered[i + 1], ordered[i]
+    slots = iter(ordered)
     ranked = [next(slots) if s in numbered else s for s in allowed]
     cooling = [s for s in ranked if s in evidence and evidence[s].failures]
     ranked = [s for s in ranked if s not in cooling] + cooling
@@ -126,8 +140,12 @@ def _why_ranked(attempt: str, eligible: list[str], evidence: dict[str, Evidence]
     if ev is None or expected_value(ev, ranked_by) is None:
         return (f"auto chose {attempt}: not measured here yet, so it keeps its place in the built-in order; "
                 f"the others are ranked by {metric}" + (f": {', '.join(rest)}" if rest else ""))
+    mine = expected_value(ev, ranked_by)
+    tie = any(expected[s]["seconds"] is not None and expected[s]["seconds"] < mine
+              for s in eligible if s != attempt and s in expected)
     return (f"auto chose {attempt}: {_describe(ev, ranked_by)}; ranked by {metric}"
-            + (f" against {', '.join(rest)}" if rest else ""))
+            + (f" against {', '.join(rest)}" if rest else "")
+            + (f" (within {MARGIN:.0%} or {MARGIN_S} s counts as a tie, and a tie keeps the built-in order)" if tie else ""))
 
 
 def _evidence_notes(eligible: list[str], evidence: dict[str, Evidence], policy) -> list[str]:

@@ -227,6 +227,19 @@ SCHEMA: dict[str, dict[str, Key]] = {
                            "(restored by criu+ipc, re-attached from the cache), any other with them; include: always "
                            "with them (refused for an engine on the weight cache); exclude: always without them"),
     },
+    "supervise": {
+        "health_interval_s": Key((int, float), 5.0, check=_seconds, doc="how often /health is asked"),
+        "health_timeout_s": Key((int, float), 3.0, check=_seconds),
+        "health_misses": Key(int, 3, check=_positive, doc="misses in a row that make the engine hung"),
+        "completion_interval_s": Key((int, float), 30.0, check=_seconds,
+                                     doc="how often a real completion (the canary's first prompt) is asked"),
+        "completion_timeout_s": Key((int, float), 30.0, check=_seconds),
+        "start_limit_interval_s": Key((int, float), 600.0, check=_seconds, doc="as systemd's StartLimitIntervalSec"),
+        "start_limit_burst": Key(int, 5, check=_positive,
+                                 doc="more failures than this within the interval: give up, engine left stopped, exit 1"),
+        "backoff_s": Key((int, float), 1.0, check=_seconds, doc="pause before the second failure's restart, doubling"),
+        "backoff_max_s": Key((int, float), 30.0, check=_seconds),
+    },
     "sleep": {
         "enabled": Key(bool, False, doc="start the engine with sleep mode (needed by the sleep strategy)"),
         "level": Key(int, 1, (1, 2)),

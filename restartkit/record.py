@@ -32,7 +32,8 @@ class Record:
     time_to_ready_s: float | None = None
     first_completion_s: float | None = None
     downtime: dict | None = None  # measured by a client hammering the service (--measure-downtime, overlap)
-    context: dict = field(default_factory=dict)  # host, engine and version, weights, layout: what the times are valid for
+    context: dict = field(default_factory=dict)
+    trigger: dict | None = None  # who noticed what (supervise: a crash or a hang) and how long until serving again  # host, engine and version, weights, layout: what the times are valid for
     exit_code: int = EXIT_NOT_SERVING
 
     def finish(self, strict: bool) -> "Record":

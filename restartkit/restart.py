@@ -45,7 +45,9 @@ def plan_for(service: Service, requested: str, reason: str, overlap: bool | None
 
 def restart(service: Service, requested: str = "auto", reason: str = "restart", strict: bool = False,
             say: Callable[[str], None] = lambda _m: None, overlap: bool | None = None,
-            measure_downtime: bool = False) -> Record:
+            measure_downtime: bool = False, trigger: dict | None = None) -> Record:
+    """`trigger`: who asked and when they noticed (supervise); the record gets the time from
+    then to serving again."""
     plan, facts = plan_for(service, requested, reason, overlap)
     if plan.overlap_dropped:
         say(plan.overlap_dropped)
@@ -57,6 +59,10 @@ def restart(service: Service, requested: str = "auto", reason: str = "restart", 
     if probe is not None:
         probe.stop()
         rec.downtime = probe.summary()
+    if trigger is not None:
+        rec.trigger = dict(trigger)
+        if rec.final_state == "serving" and trigger.get("noticed_at"):
+            rec.trigger["noticed_to_serving_s"] = round(time.time() - trigger["noticed_at"], 3)
     return _close(service, rec, strict)
 
 

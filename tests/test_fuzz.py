@@ -88,7 +88,7 @@ NUMBER_KEYS = [(sec, k) for sec, keys in SCHEMA.items() for k, spec in keys.item
 def test_one_key_at_a_time(tmp_path, key, value):
     """The property below with exactly one key changed: each key's own check is what decides."""
     data = json.loads(json.dumps(BASE))
-    data[key[0]][key[1]] = value
+    data.setdefault(key[0], {})[key[1]] = value
     check_policy(tmp_path, data)
 
 

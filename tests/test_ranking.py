@@ -178,10 +178,11 @@ def test_auto_picks_cold_once_criu_was_measured_slower(make_policy, service_clea
     assert after["attempt"] == "cold" and after["ranked_by"] == "time_to_ready", after
     exp = {s["strategy"]: s["expected"] for s in after["strategies"]}
     assert exp["criu"]["source"] == exp["cold"]["source"] == "measured"
-    assert exp["criu"]["seconds"] == criu_s and exp["cold"]["seconds"] == cold_s
+    assert abs(exp["criu"]["seconds"] - criu_s) < 0.002 and abs(exp["cold"]["seconds"] - cold_s) < 0.002
     assert after["order"].index("cold") < after["order"].index("criu")
     text = run_cli("plan", "--policy", policy).stdout
-    assert f"auto chose cold: ready in {cold_s:.2f} s (measured" in text and f"criu {criu_s:.2f} s" in text, text
+    assert f"auto chose cold: ready in {exp['cold']['seconds']:.2f} s (measured" in text, text
+    assert f"criu {exp['criu']['seconds']:.2f} s" in text, text
     rec = json.loads(run_cli("restart", "--policy", policy, "--json").stdout)
     assert rec["served_by"] == "cold" and not rec["via_recovery"] and rec["proof"]["canary_identical"] is True
     assert rec["plan"]["ranked_by"] == "time_to_ready" and rec["context"]["engine"] == "reference"
@@ -209,3 +210,12 @@ def test_estimates_say_what_they_are_made_of(tmp_path):
     f.strategy["criu"] = {"images_dir": str(tmp_path), "image_bytes": 4 << 20}
     t, how = _estimate("criu", f)
     assert t > 0 and "GB/s this host reads them now" in how
+
+
+def test_estimates_within_noise_keep_the_builtin_order():
+    ev = {"sleep": Evidence("sleep"), "ipc": Evidence("ipc", time_s=2.1, source="estimated", detail="e"),
+          "criu": Evidence("criu"), "cold": Evidence("cold", time_s=2.0, source="estimated", detail="e")}
+    plan = make_plan(facts(ev), policy(), "auto", everyone_eligible(but=("sleep",)))
+    assert plan.attempt == "ipc" and plan.order.index("ipc") < plan.order.index("cold")
+    ev["cold"].time_s = 1.5  # clearly faster (by 0.6 s, 29 %): it overtakes
+    assert make_plan(facts(ev), policy(), "auto", everyone_eligible(but=("sleep",))).attempt == "cold"

@@ -51,6 +51,12 @@ class EngineAdapter:
         if not out.get("choices"):
             raise RuntimeError("completion answered without choices")
 
+    health_path = "/health"
+
+    def health(self, policy, timeout: float = 3.0) -> None:
+        """Liveness: the engine's health endpoint answers 2xx (cheap; a real completion is `probe`)."""
+        http.get(self.base_url(policy) + self.health_path, timeout=timeout)
+
     def canary(self, policy) -> list[list[int]]:
         """Greedy completions of the policy's fixed prompts, as token ids."""
         r = policy.restart

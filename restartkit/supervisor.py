@@ -1,0 +1,345 @@
+"""`restartkit supervise`: run in the foreground (a unit's or a container's main process),
+start the engine (or adopt the one that serves), watch it, and bring it back through
+`auto` when it crashes or hangs.
+
+Watching: the engine's exit through a pidfd (no polling of /proc), `/health` every
+[supervise] health_interval_s (health_misses misses in a row: hung), and a real completion
+every completion_interval_s (an engine whose /health still says 200 but that completes
+nothing is hung too).  A failure restarts with reason `crash` (sleep cannot serve it),
+proven by the canary and recorded like every restart, with the time from noticing the
+failure to serving again.  Too many failures within start_limit_interval_s
+(start_limit_burst, as systemd's StartLimitIntervalSec/StartLimitBurst) -> the engine is
+left stopped and supervise exits 1 with one line saying why, so that systemd or
+Kubernetes takes over.  Failed attempts back off (backoff_s, doubling, at most
+backoff_max_s).
+
+Signals only enqueue: SIGTERM/SIGINT stop the engine (the usual escalation) and exit 0;
+SIGHUP runs a planned restart (reason `restart`; systemd's ExecReload).  systemd: with
+NOTIFY_SOCKET set, READY=1 once the first canary passed, STATUS= after each change, and
+WATCHDOG=1 while the engine passes its probes (and while a restart is under way) when
+WATCHDOG_USEC is set.  Another restartkit command may restart the engine meanwhile: its
+new engine is adopted, not treated as a crash.  State: supervisor.json in the state dir
+(`restartkit status` shows it).
+"""
+from __future__ import annotations
+
+import collections
+import os
+import select
+import signal
+import socket
+import threading
+import time
+from typing import Callable
+
+from restartkit.errors import EXIT_NOT_SERVING, EXIT_SERVING
+from restartkit.files import write_json_atomic
+from restartkit.guard import guarded
+from restartkit.supervise import kill_tree, proc_start_ticks, reap
+
+EXIT_GAVE_UP = 1  # what systemd's Restart=on-failure and Kubernetes act on
+
+
+class Notifier:
+    """sd_notify over $NOTIFY_SOCKET (nothing when it is not set)."""
+
+    def __init__(self, env: dict | None = None):
+        env = os.environ if env is None else env
+        self.address = env.get("NOTIFY_SOCKET") or None
+        usec = env.get("WATCHDOG_USEC")
+        wpid = env.get("WATCHDOG_PID")
+        self.watchdog_s = int(usec) / 1e6 if usec and usec.isdigit() and (not wpid or wpid == str(os.getpid())) else None
+
+    def send(self, *lines: str) -> None:
+        if not self.address:
+            return
+        addr = "\0" + self.address[1:] if self.address.startswith("@") else self.address
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+                s.sendto("\n".join(lines).encode(), addr)
+        except OSError:
+            pass  # the manager went away: nothing to tell
+
+
+class Supervisor:
+    def __init__(self, service, say: Callable[[str], None] = print, notifier: Notifier | None = None):
+        from restartkit.restart import restart  # the restart flow (strategies through its registry)
+        self.service, self.say = service, say
+        self.notify = notifier or Notifier()
+        self.cfg = service.policy.supervise
+        self.restart = restart
+        self.signals: collections.deque[int] = collections.deque()
+        self.failures: collections.deque[float] = collections.deque()  # when each failure was noticed
+        self.history: list[dict] = []
+        self.started_at = time.time()
+        self.path = service.state_dir / "supervisor.json"
+        self.interval = self.cfg["health_interval_s"]
+        if self.notify.watchdog_s:
+            self.interval = min(self.interval, self.notify.watchdog_s / 2)
+
+    # ---- the loop ------------------------------------------------------------------
+    def run(self) -> int:
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(s, lambda signum, _frame: self.signals.append(signum))
+        try:
+            if not self._first_start():
+                return self._give_up("the engine did not start")
+            self.notify.send("READY=1", self._status())
+            return self._watch()
+        finally:
+            self.path.unlink(missing_ok=True)
+
+    def _watch(self) -> int:
+        misses, last_completion = 0, time.monotonic()
+        while True:
+            proc = self.service.current()
+            if proc is None:
+                if (rc := self._failure("the engine is not running", None)) is not None:
+                    return rc
+                continue
+            try:
+                pidfd = os.pidfd_open(proc.pid)
+            except ProcessLookupError:
+                continue
+            try:
+                exited = self._wait(pidfd, self.interval)
+            finally:
+                os.close(pidfd)
+            if self.signals:
+                sig = self.signals.popleft()
+                if sig == signal.SIGHUP:
+                    self._planned_restart()
+                    continue
+                return self._stop(signal.Signals(sig).name)
+            if exited:
+                reap(proc.pid)
+                if (rc := self._failure(f"the engine (PID {proc.pid}) exited", proc.pid)) is not None:
+                    return rc
+                misses, last_completion = 0, time.monotonic()
+                continue
+            healthy = self._healthy()
+            misses = 0 if healthy else misses + 1
+            if misses >= self.cfg["health_misses"]:
+                what = f"the engine (PID {proc.pid}) missed {misses} health checks in a row"
+            elif time.monotonic() - last_completion >= self.cfg["completion_interval_s"]:
+                what = None if self._completes() else (f"the engine (PID {proc.pid}) completed nothing within "
+                                                       f"{self.cfg['completion_timeout_s']:.0f} s")
+                last_completion = time.monotonic()
+            else:
+                what = None
+            if what is None:
+                if healthy and self.notify.watchdog_s:
+                    self.notify.send("WATCHDOG=1")
+                continue
+            if (rc := self._failure(what, proc.pid)) is not None:
+                return rc
+            misses, last_completion = 0, time.monotonic()
+
+    def _wait(self, pidfd: int, timeout_s: float) -> bool:
+        """True when the engine exited within `timeout_s`; returns early on a signal."""
+        end = time.monotonic() + timeout_s
+        while not self.signals:
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            ready, _, _ = select.select([pidfd], [], [], min(left, 0.25))
+            if ready:
+                return True
+        return False
+
+    # ---- probes --------------------------------------------------------------------
+    def _healthy(self) -> bool:
+        try:
+            self.service.adapter.health(self.service.policy, timeout=self.cfg["health_timeout_s"])
+            return True
+        except Exception:
+            return False
+
+    def _completes(self) -> bool:
+        return self.service.probe(timeout_s=self.cfg["completion_timeout_s"])[0]
+
+    # ---- actions -------------------------------------------------------------------
+    def _first_start(self) -> bool:
+        svc = self.service
+        with guarded(svc, "supervise", self._lock_wait(), self.say, defer_signals=False):
+            proc = svc.current()
+            if proc is not None and svc.is_ready():
+                svc.canary()
+                self.say(f"{svc.policy.name}: adopted the serving engine (PID {proc.pid})")
+            else:
+                if proc is not None:
+                    svc.stop()
+                try:
+                    started = svc.start_engine("cold")
+                    svc.canary()
+                except Exception as e:
+                    self.say(f"{svc.policy.name}: the engine did not start: {getattr(e, 'message', None) or e}")
+                    return False
+                self.say(f"{svc.policy.name}: serving (PID {started.process.pid}) after {started.ready_s:.2f} s")
+        self._save("serving")
+        return True
+
+    def _failure(self, what: str, pid: int | None) -> int | None:
+        """A crash or a hang: restart through auto unless the limit is reached (then the exit code)."""
+        noticed = time.time()
+        self.say(f"{self.service.policy.name}: {what}")
+        # another restartkit command may be restarting the engine: wait for its lock, then look again
+        with guarded(self.service, "supervise", self._lock_wait(), self.say, defer_signals=False):
+            proc = self.service.current()
+            if proc is not None and proc.pid != pid and self.service.is_ready():
+                self.say(f"{self.service.policy.name}: PID {proc.pid} serves now (restarted by another command); "
+                         "adopted")
+                self._save("serving")
+                return None
+        self.failures.append(noticed)
+        window = self.cfg["start_limit_interval_s"]
+        while self.failures and self.failures[0] < noticed - window:
+            self.failures.popleft()
+        if len(self.failures) > self.cfg["start_limit_burst"]:
+            return self._give_up(f"{len(self.failures)} failures within {window:.0f} s "
+                                 f"([supervise] start_limit_burst = {self.cfg['start_limit_burst']}); last: {what}")
+        recent = len(self.failures)
+        if recent > 1:
+            pause = min(self.cfg["backoff_max_s"], self.cfg["backoff_s"] * 2 ** (recent - 2))
+            self.say(f"{self.service.policy.name}: backing off {pause:.1f} s ({recent} failures within {window:.0f} s)")
+            if self._sleep(pause):
+                return self._stop(signal.Signals(self.signals.popleft()).name)
+        if pid is not None:
+            kill_tree(pid)  # a hung engine is declared dead: nothing it does now can be trusted
+            self.service.seam.reap_until_gone([pid], self.service.policy.restart["stop_timeout_s"])
+        self._restart("crash", {"by": "supervise", "what": what, "noticed_at": noticed})
+        return None  # not serving after it: the next turn finds nothing running, another failure, with backoff
+
+    def _planned_restart(self) -> None:
+        self.say(f"{self.service.policy.name}: SIGHUP: a planned restart")
+        self._restart("restart", {"by": "supervise", "what": "SIGHUP", "noticed_at": time.time()})
+
+    def _restart(self, reason: str, trigger: dict):
+        svc = self.service
+        done = threading.Event()
+        if self.notify.watchdog_s:  # supervise is alive and working: the unit's watchdog must not fire
+            def ping():
+                while not done.wait(self.notify.watchdog_s / 2):
+                    self.notify.send("WATCHDOG=1")
+            threading.Thread(target=ping, daemon=True).start()
+        self.notify.send(f"STATUS=restarting ({reason}): {trigger['what']}")
+        try:
+            with guarded(svc, f"supervise restart ({reason})", self._lock_wait(), self.say, defer_signals=False):
+                rec = self.restart(svc, "auto", reason=reason, say=self.say, trigger=trigger)
+        except Exception as e:
+            self.say(f"{svc.policy.name}: the restart could not run: {getattr(e, 'message', None) or e}")
+            return None
+        finally:
+            done.set()
+        self.history.append({"at": time.time(), "reason": reason, "what": trigger["what"], "served_by": rec.served_by,
+                             "final_state": rec.final_state, "time_to_ready_s": rec.time_to_ready_s,
+                             "noticed_to_serving_s": (rec.trigger or {}).get("noticed_to_serving_s"), "record": rec.id})
+        self.say(f"{svc.policy.name}: {rec.final_state} by {rec.served_by}"
+                 + (f" {rec.trigger['noticed_to_serving_s']:.2f} s after the failure was noticed"
+                    if (rec.trigger or {}).get("noticed_to_serving_s") is not None else ""))
+        self._save(rec.final_state)
+        self.notify.send(self._status())
+        return rec
+
+    def _stop(self, why: str) -> int:
+        svc = self.service
+        self.notify.send("STOPPING=1", f"STATUS=stopping ({why})")
+        self.say(f"{svc.policy.name}: {why}: stopping the engine")
+        with guarded(svc, "supervise stop", self._lock_wait(), self.say, defer_signals=False):
+            how = svc.stop()
+        self.say(f"{svc.policy.name}: {how}")
+        return EXIT_SERVING
+
+    def _give_up(self, why: str) -> int:
+        svc = self.service
+        try:
+            with guarded(svc, "supervise stop", self._lock_wait(), self.say, defer_signals=False):
+                svc.stop()
+        except Exception as e:
+            self.say(f"{svc.policy.name}: could not stop the engine: {getattr(e, 'message', None) or e}")
+        line = f"restartkit supervise: giving up on {svc.policy.name}: {why}; the engine is left stopped"
+        self.notify.send(f"STATUS={line}")
+        self.say(line)
+        return EXIT_GAVE_UP
+
+    def _sleep(self, seconds: float) -> bool:
+        """Sleep, or stop early on SIGTERM/SIGINT (True); a SIGHUP during a backoff waits its turn."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if any(s != signal.SIGHUP for s in self.signals):
+                while self.signals and self.signals[0] == signal.SIGHUP:
+                    self.signals.popleft()
+                return True
+            time.sleep(min(0.1, end - time.monotonic()))
+        return False
+
+    def _lock_wait(self) -> float:
+        r = self.service.policy.restart
+        return r["stop_timeout_s"] + r["start_timeout_s"] + 60
+
+    # ---- state -----------------------------------------------------------------------
+    def _status(self) -> str:
+        proc = self.service.current()
+        last = self.history[-1] if self.history else None
+        text = f"serving PID {proc.pid}" if proc else "no engine"
+        text += f"; {len(self.failures)} failure(s) in the last {self.cfg['start_limit_interval_s']:.0f} s"
+        if last:
+            text += f"; last restart ({last['reason']}): {last['served_by']} in {last['time_to_ready_s']} s"
+        return f"STATUS={text}"
+
+    def _save(self, state: str) -> None:
+        window = self.cfg["start_limit_interval_s"]
+        try:
+            write_json_atomic(self.path, {
+                "pid": os.getpid(), "start_ticks": proc_start_ticks(os.getpid()), "started_at": self.started_at,
+                "state": state, "failures_in_interval": len([t for t in self.failures if t >= time.time() - window]),
+                "interval_s": window, "restarts": self.history[-20:]})
+        except OSError as e:
+            self.say(f"restartkit supervise: could not write {self.path} ({e.strerror or e})")
+
+
+def read_state(state_dir) -> dict | None:
+    """The supervisor's state, when one runs for this service."""
+    import json
+
+    from restartkit.supervise import holder_alive
+    try:
+        data = json.loads((state_dir / "supervisor.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return data if holder_alive(data) else None
+
+
+def install_unit(service, unit_dir: str, watchdog_s: int = 0) -> str:
+    """A systemd unit running `restartkit supervise` for this service; returns its path."""
+    import shutil
+    import sys
+    from pathlib import Path
+    exe = shutil.which("restartkit") or f"{sys.executable} -m restartkit.cli"
+    policy = os.path.abspath(service.policy.path)
+    r = service.policy.restart
+    path = Path(unit_dir) / f"restartkit-{service.policy.name}.service"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"""[Unit]
+Description=restartkit: {service.policy.name}, supervised (crashes come back through the fastest proven path)
+After=network-online.target
+
+[Service]
+Type=notify
+NotifyAccess=main
+ExecStart={exe} supervise --policy {policy}
+ExecReload=/bin/kill -HUP $MAINPID
+KillMode=mixed
+TimeoutStartSec={int(r['start_timeout_s'] + 60)}
+TimeoutStopSec={int(r['stop_timeout_s'] + 30)}
+{f'WatchdogSec={watchdog_s}' if watchdog_s else '# WatchdogSec=60  (supervise pings while the engine passes its probes)'}
+Restart=on-failure
+RestartSec=5
+
+[Install]
+WantedBy=multi-user.target
+""")
+    return str(path)
+
+
+__all__ = ["Supervisor", "Notifier", "read_state", "install_unit", "EXIT_GAVE_UP", "EXIT_NOT_SERVING"]

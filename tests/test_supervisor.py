@@ -1,0 +1,176 @@
+"""`restartkit supervise` for real: a tiny reference engine under the supervisor, crashed
+(SIGKILL), hung (SIGSTOP), broken for good (the restart limit), stopped (SIGTERM), reloaded
+(SIGHUP); systemd's notify socket listened to by the test."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from restartkit.supervisor import Notifier
+from tests.conftest import RESTARTKIT, ROOT, run_cli
+from tests.test_ipc import ipc_policy, preloads, sockdir, start_preload  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.slow
+
+FAST = """
+[supervise]
+health_interval_s = 0.5
+health_timeout_s = 1.0
+health_misses = 3
+completion_interval_s = 5
+completion_timeout_s = 5
+start_limit_interval_s = 600
+start_limit_burst = {burst}
+backoff_s = 0.2
+backoff_max_s = 1
+"""
+
+
+class Supervised:
+    def __init__(self, policy, tmp_path):
+        self.policy = policy
+        self.sock_path = str(tmp_path / "notify.sock")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.sock_path)
+        self.sock.settimeout(0.2)
+        self.messages: list[str] = []
+        env = {**os.environ, "NOTIFY_SOCKET": self.sock_path}
+        self.proc = subprocess.Popen([*RESTARTKIT, "supervise", "--policy", str(policy)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env, start_new_session=True)
+
+    def notes(self) -> list[str]:
+        while True:
+            try:
+                self.messages += self.sock.recv(4096).decode().splitlines()
+            except (socket.timeout, BlockingIOError):
+                return self.messages
+
+    def wait_note(self, words: str, timeout: float = 120) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if any(words in m for m in self.notes()):
+                return
+            assert self.proc.poll() is None, self.proc.stdout.read()
+        raise AssertionError(f"no {words!r} from supervise in {timeout} s: {self.messages}")
+
+    def status(self) -> dict:
+        return json.loads(run_cli("status", "--policy", self.policy, "--json").stdout)
+
+    def records(self) -> list[dict]:
+        return json.loads(run_cli("history", "--policy", self.policy, "--json").stdout)["records"]
+
+    def wait_record(self, n: int, timeout: float = 120) -> dict:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            recs = self.records()
+            if len(recs) >= n:
+                return recs[-1]
+            time.sleep(0.3)
+        raise AssertionError(f"no record #{n} within {timeout} s")
+
+    def close(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(60)
+        self.sock.close()
+
+
+@pytest.fixture
+def supervised(make_policy, service_cleanup, tmp_path):
+    made = []
+
+    def make(policy=None, burst=5):
+        policy = policy or make_policy()
+        policy.write_text(policy.read_text() + FAST.format(burst=burst))
+        service_cleanup(policy)
+        s = Supervised(policy, tmp_path)
+        made.append(s)
+        s.wait_note("READY=1")
+        return s
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_a_killed_engine_comes_back_through_ipc_recorded_as_a_crash(supervised, make_policy, sockdir, preloads):  # noqa: F811
+    policy = ipc_policy(make_policy, sockdir)
+    start_preload(policy, preloads)
+    s = supervised(policy)
+    first = s.status()
+    assert first["serving"] and first["supervisor"]["pid"] == s.proc.pid
+    os.kill(first["pid"], signal.SIGKILL)
+    rec = s.wait_record(1)
+    assert rec["reason"] == "crash" and rec["served_by"] == "ipc" and not rec["via_recovery"], rec
+    assert rec["proof"]["canary_identical"] is True
+    assert rec["trigger"]["by"] == "supervise" and "exited" in rec["trigger"]["what"]
+    assert 0 < rec["trigger"]["noticed_to_serving_s"] < 60
+    st = s.status()
+    assert st["serving"] and st["pid"] != first["pid"] and st["supervisor"]["restarts"][-1]["served_by"] == "ipc"
+    s.wait_note("last restart (crash): ipc")
+
+
+def test_a_hung_engine_is_noticed_and_restarted(supervised):
+    s = supervised()
+    pid = s.status()["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    rec = s.wait_record(1)
+    assert rec["reason"] == "crash" and rec["final_state"] == "serving" and "missed 3 health checks" in rec["trigger"]["what"]
+    assert time.monotonic() - t0 < 60
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    assert s.status()["serving"]
+
+
+def test_an_engine_that_cannot_start_again_trips_the_limit(supervised, make_policy, tiny_model, tmp_path):
+    import shutil
+    model = tmp_path / "own-model"
+    shutil.copytree(tiny_model, model)
+    s = supervised(make_policy(model=str(model)), burst=2)
+    model.rename(tmp_path / "own-model-gone")  # every start from now on fails
+    os.kill(s.status()["pid"], signal.SIGKILL)
+    out, _ = s.proc.communicate(timeout=120)
+    assert s.proc.returncode == 1, out
+    assert "giving up on svc: 3 failures within 600 s" in out and "the engine is left stopped" in out
+    assert not s.status()["running"] and s.status()["supervisor"] is None
+
+
+def test_sigterm_stops_everything_and_sighup_restarts(supervised):
+    s = supervised()
+    os.killpg(s.proc.pid, signal.SIGHUP)
+    rec = s.wait_record(1)
+    assert rec["reason"] == "restart" and rec["final_state"] == "serving" and rec["trigger"]["what"] == "SIGHUP"
+    assert rec["proof"]["canary_identical"] is True
+    engine = s.status()["pid"]
+    os.killpg(s.proc.pid, signal.SIGTERM)
+    assert s.proc.wait(60) == 0
+    assert "STOPPING=1" in s.notes()
+    st = s.status()
+    assert not st["running"] and st["supervisor"] is None
+    assert not os.path.exists(f"/proc/{engine}")
+    assert not (s.policy.parent / "state" / "svc" / "supervisor.json").exists()
+
+
+def test_the_notifier_speaks_to_the_socket_and_keeps_quiet_without_one(tmp_path):
+    path = str(tmp_path / "n.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as srv:
+        srv.bind(path)
+        n = Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "2000000"})
+        assert n.watchdog_s == 2.0
+        n.send("READY=1", "STATUS=ok")
+        assert srv.recv(100) == b"READY=1\nSTATUS=ok"
+    Notifier({}).send("READY=1")  # no socket: nothing, no error
+    assert Notifier({"WATCHDOG_USEC": "5", "WATCHDOG_PID": "1"}).watchdog_s is None  # another process's watchdog
+
+
+def test_install_unit_writes_a_notify_unit(make_policy, tmp_path):
+    policy = make_policy()
+    r = run_cli("supervise", "--policy", policy, "--install-unit", "--unit-dir", tmp_path, "--watchdog-sec", "60")
+    assert r.returncode == 0, r.stderr
+    unit = (tmp_path / "restartkit-svc.service").read_text()
+    for line in ("Type=notify", "ExecReload=/bin/kill -HUP $MAINPID", "WatchdogSec=60", "Restart=on-failure"):
+        assert line in unit
+    assert f"supervise --policy {policy}" in unit
