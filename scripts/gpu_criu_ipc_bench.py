@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_ipc_bench import cli, engine_stats, restart, write_policy  # noqa: E402
+from gpu_ipc_bench import cli, engine_stats, restart, teardown, write_policy  # noqa: E402
 
 T0 = time.monotonic()
 
@@ -83,8 +83,7 @@ def one_model(args, work: Path, preset: str, port: int) -> dict:
     except Exception as e:
         res["error"] = str(e)[-3000:]
     finally:
-        cli("stop", "--policy", pol, check=False)
-        cli("weightcache", "release", "--policy", pol, "--stop", "--force", check=False)
+        teardown(pol)
     return res
 
 

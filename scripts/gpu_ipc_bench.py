@@ -104,6 +104,14 @@ def process_floor(device: str) -> dict:
     return {"floor": round(done - t0, 4), "import": round(imported - t0, 4), "context": round(done - imported, 4)}
 
 
+def teardown(pol: Path, results: Path | None = None, res: dict | None = None) -> None:
+    """The end of every single-service GPU script: the engine and its weight cache stopped, the results written."""
+    cli("stop", "--policy", pol, check=False)
+    cli("weightcache", "release", "--policy", pol, "--stop", "--force", check=False)
+    if results is not None:
+        results.write_text(json.dumps(res, indent=2))
+
+
 def drop_page_cache() -> bool:
     try:
         os.sync()

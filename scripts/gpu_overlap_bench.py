@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_ipc_bench import bench_setup, cli, write_policy  # noqa: E402
+from gpu_ipc_bench import bench_setup, cli, teardown, write_policy  # noqa: E402
 
 
 def main() -> int:
@@ -40,9 +40,7 @@ def main() -> int:
     except Exception as e:
         res["error"] = str(e)[-3000:]
     finally:
-        cli("stop", "--policy", pol, check=False)
-        cli("weightcache", "release", "--policy", pol, "--stop", "--force", check=False)
-        (out / "overlap_results.json").write_text(json.dumps(res, indent=2))
+        teardown(pol, out / "overlap_results.json", res)
     print(verdict(res))
     return 0
 
