@@ -68,6 +68,22 @@ def preflight_writable(directory: Path, what: str = "state dir") -> None:
                               "or point --state-dir / [service] state_dir elsewhere") from None
 
 
+def lock_holder(state_dir: Path) -> dict | None:
+    """Who holds the service's lock now ({} when unknown), or None when it is free."""
+    try:
+        fd = os.open(state_dir / "lock", os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    except BlockingIOError:
+        return _read_holder(fd)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def service_lock(state_dir: Path, service: str, command: str, wait_s: float = 0.0,
                  say: Callable[[str], None] = lambda _m: None) -> Iterator[None]:

@@ -34,7 +34,7 @@ from typing import Callable
 
 from restartkit.errors import EXIT_NOT_SERVING, EXIT_SERVING
 from restartkit.files import write_json_atomic
-from restartkit.guard import guarded
+from restartkit.guard import guarded, lock_holder
 from restartkit.supervise import kill_tree, proc_start_ticks, reap
 
 EXIT_GAVE_UP = 1  # what systemd's Restart=on-failure and Kubernetes act on
@@ -117,6 +117,9 @@ class Supervisor:
                     return rc
                 misses, last_completion = 0, time.monotonic()
                 continue
+            if self._busy(proc):  # another command is restarting it, or it is still starting: not ours to judge
+                misses, last_completion = 0, time.monotonic()
+                continue
             healthy = self._healthy()
             misses = 0 if healthy else misses + 1
             if misses >= self.cfg["health_misses"]:
@@ -148,6 +151,10 @@ class Supervisor:
         return False
 
     # ---- probes --------------------------------------------------------------------
+    def _busy(self, proc) -> bool:
+        from restartkit.supervise import ProcState
+        return proc.state is not ProcState.READY or lock_holder(self.service.state_dir) is not None
+
     def _healthy(self) -> bool:
         try:
             self.service.adapter.health(self.service.policy, timeout=self.cfg["health_timeout_s"])

@@ -54,7 +54,7 @@ def run(pol: Path, port: int, kills: int, with_cache: bool) -> list[dict]:
         while not answers(port):
             time.sleep(0.2)
         if with_cache:  # onto the cache first, as rollout would
-            cli("restart", "--policy", pol, "--strategy", "ipc", check=True)
+            cli("restart", "--policy", pol, "--strategy", "ipc", "--wait", "120", check=True)
         for _ in range(kills):
             n = len(json.loads(cli("history", "--policy", pol, "--json").stdout)["records"])
             pid = json.loads(cli("status", "--policy", pol, "--json").stdout)["pid"]
