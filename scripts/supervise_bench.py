@@ -56,7 +56,7 @@ def run(pol: Path, port: int, kills: int, with_cache: bool) -> list[dict]:
         if with_cache:  # onto the cache first, as rollout would
             cli("restart", "--policy", pol, "--strategy", "ipc", "--wait", "120", check=True)
         for _ in range(kills):
-            n = len(json.loads(cli("history", "--policy", pol, "--json").stdout)["records"])
+            last = (json.loads(cli("history", "--policy", pol, "--last", "1", "--json").stdout)["records"] or [{}])[-1].get("id")
             pid = json.loads(cli("status", "--policy", pol, "--json").stdout)["pid"]
             t0 = time.monotonic()
             os.kill(pid, signal.SIGKILL)
@@ -65,9 +65,9 @@ def run(pol: Path, port: int, kills: int, with_cache: bool) -> list[dict]:
             while not answers(port):
                 time.sleep(0.02)
             seen = time.monotonic() - t0
-            while len(recs := json.loads(cli("history", "--policy", pol, "--json").stdout)["records"]) <= n:
+            while (rec := (json.loads(cli("history", "--policy", pol, "--last", "1", "--json").stdout)["records"]
+                           or [{}])[-1]).get("id") == last:
                 time.sleep(0.2)
-            rec = recs[-1]
             out.append({"kill_to_answer_s": round(seen, 3), "served_by": rec["served_by"],
                         "noticed_to_serving_s": (rec.get("trigger") or {}).get("noticed_to_serving_s"),
                         "canary_identical": rec["proof"].get("canary_identical"), "reason": rec["reason"]})
@@ -108,6 +108,8 @@ stop_timeout_s = 15
 socket_dir = "{work / 'sockets'}"
 [supervise]
 health_interval_s = 1
+backoff_s = 0.01       # each kill is its own crash here: no backoff between them
+backoff_max_s = 0.01
 """)
     results = {"with weight cache": run(pol, a.port, a.kills, True), "cold only": run(pol, a.port, a.kills, False)}
     print(f"\nsupervise: {a.kills} x SIGKILL of the engine ({a.preset}, {a.device}, {time.strftime('%Y-%m-%d %H:%M %Z')})")
