@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Callable
 
-from restartkit.errors import EXIT_NOT_SERVING, EXIT_SERVING
+from restartkit.errors import EXIT_SERVING
 from restartkit.files import write_json_atomic
 from restartkit.guard import guarded, lock_holder
 from restartkit.supervise import kill_tree, proc_start_ticks, reap
@@ -90,13 +90,18 @@ class Supervisor:
             self.path.unlink(missing_ok=True)
 
     def _watch(self) -> int:
-        misses, last_completion = 0, time.monotonic()
+        misses, last_completion, last_pid = 0, time.monotonic(), None
         while True:
             proc = self.service.current()
-            if proc is None:
-                if (rc := self._failure("the engine is not running", None)) is not None:
+            if proc is None:  # gone between two looks (before its pidfd was open), or never came back
+                what = f"the engine (PID {last_pid}) exited" if last_pid else "the engine is not running"
+                if last_pid:
+                    reap(last_pid)
+                last_pid = None
+                if (rc := self._failure(what, None)) is not None:
                     return rc
                 continue
+            last_pid = proc.pid
             try:
                 pidfd = os.pidfd_open(proc.pid)
             except ProcessLookupError:
@@ -349,4 +354,4 @@ WantedBy=multi-user.target
     return str(path)
 
 
-__all__ = ["Supervisor", "Notifier", "read_state", "install_unit", "EXIT_GAVE_UP", "EXIT_NOT_SERVING"]
+__all__ = ["Supervisor", "Notifier", "read_state", "install_unit", "EXIT_GAVE_UP"]

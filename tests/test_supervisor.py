@@ -174,3 +174,17 @@ def test_install_unit_writes_a_notify_unit(make_policy, tmp_path):
     for line in ("Type=notify", "ExecReload=/bin/kill -HUP $MAINPID", "WatchdogSec=60", "Restart=on-failure"):
         assert line in unit
     assert f"supervise --policy {policy}" in unit
+
+
+def test_a_restart_by_another_command_is_adopted_not_taken_for_a_crash(supervised):
+    """Two commands at once: an operator's `restartkit restart` while supervise watches.  The
+    engine it starts is adopted; no crash restart follows (supervise_bench found one once)."""
+    s = supervised()
+    r = run_cli("restart", "--policy", s.policy, "--strategy", "cold", "--wait", "60", "--json")
+    assert r.returncode == 0, r.stderr
+    new = json.loads(r.stdout)
+    time.sleep(6)  # longer than health_misses x health_interval: a mistaken hang would have been acted on
+    recs = s.records()
+    assert [x["id"] for x in recs] == [new["id"]] and recs[-1]["reason"] == "restart", recs
+    st = s.status()
+    assert st["serving"] and st["supervisor"]["pid"] == s.proc.pid and st["supervisor"]["failures_in_interval"] == 0
