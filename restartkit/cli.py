@@ -600,13 +600,16 @@ def snapshot_refresh(policy_path, force, install_timer, unit_dir, wait_s):
 
 # ---- models and the reference engine -------------------------------------------------
 
+# reference.checkpoint's PRESETS, named here without importing torch (tests/test_architecture.py checks)
+MODEL_PRESETS = ["tiny", "tiny-moe", "small", "1b", "8b-shape", "14b-shape", "24b-shape"]
+
 @main.group()
 def model():
     """Reference checkpoints (Hugging Face Llama layout)."""
 
 
 @model.command("create")
-@click.option("--preset", type=click.Choice(["tiny", "tiny-moe", "small", "1b", "8b-shape"]), default="tiny", show_default=True)
+@click.option("--preset", type=click.Choice(MODEL_PRESETS), default="tiny", show_default=True)
 @click.option("--out", required=True, type=click.Path(file_okay=False))
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)

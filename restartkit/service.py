@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from restartkit import keeper
 from restartkit.contracts import FACT_TIMEOUT_S, ServiceFacts
 from restartkit.engines import get_adapter
 from restartkit.errors import EngineStartError, UsageError
@@ -237,9 +238,11 @@ class Service:
                 log_offset = log.tell()
                 log.write(f"\n==== {time.strftime('%Y-%m-%dT%H:%M:%S')} restartkit start ({strategy}): {' '.join(spec.argv)}\n".encode())
                 log.flush()
-                popen = self.seam.popen(spec.argv, stdin=subprocess_devnull(), stdout=log, stderr=log, env=env,
-                                        start_new_session=True, close_fds=True,
-                                        pass_fds=(ready_w,) if ready_w is not None else ())
+                # under a keeper, which reaps it the moment it exits: its PID is free at once (a CRIU
+                # restore needs it), whoever collects orphans on this host and however slowly
+                popen, pid, _ = keeper.start(self.seam.popen, "spawn", spec.argv, stdin=subprocess_devnull(),
+                                             stdout=log, stderr=log, env=env, close_fds=True,
+                                             pass_fds=(ready_w,) if ready_w is not None else ())
         except BaseException:
             if ready_r is not None:
                 os.close(ready_r)
@@ -247,10 +250,9 @@ class Service:
         finally:
             if ready_w is not None:
                 os.close(ready_w)
-        self.intent.update(pids=[popen.pid])
-        return EngineProcess(pid=popen.pid, create_time=_create_time(popen.pid), start_ticks=proc_start_ticks(popen.pid),
-                             log_path=self.log_path,
-                             popen=popen, seam=self.seam, ready_fd=ready_r), log_offset
+        self.intent.update(pids=[pid])
+        return EngineProcess(pid=pid, create_time=_create_time(pid), start_ticks=proc_start_ticks(pid),
+                             log_path=self.log_path, popen=popen, kept=True, seam=self.seam, ready_fd=ready_r), log_offset
 
     def adopt(self, pid: int, strategy: str) -> EngineProcess:
         """Record a process restartkit did not spawn itself (a CRIU restore) as the engine."""

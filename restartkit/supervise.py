@@ -242,6 +242,7 @@ class EngineProcess:
     ready_fd: int | None = None  # read end of the engine's ready signal (see EngineAdapter.signals_ready)
     ready_signalled: bool = False  # the engine said it was ready through ready_fd
     probes: int = 0  # readiness probes sent by wait_ready
+    kept: bool = False  # popen is the engine's keeper (restartkit/keeper.py), which lives as long as it does
 
     def to(self, new: ProcState) -> None:
         if new not in ALLOWED[self.state]:
@@ -254,7 +255,11 @@ class EngineProcess:
 
     def alive(self) -> bool:
         if self.popen is not None:
-            return self.popen.poll() is None
+            if self.popen.poll() is None:
+                return True
+            if not self.kept:
+                return False
+            # the keeper is gone: killed with SIGKILL, it may have left the engine running
         return self.seam.alive(self.pid, self.create_time, self.start_ticks)
 
     def wait_ready(self, probe: Callable[[], None], timeout_s: float, interval_s: float = 0.05,

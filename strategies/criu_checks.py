@@ -162,18 +162,5 @@ SNAPSHOT_PREREQUISITES = [linux_x86_64, root_or_sudo, single_device, criu_usable
                           not_ipc_attached, gpu_checkpoint_api, disk_room]
 # restoring a full snapshot does not care how the engine it replaces got its weights
 PREREQUISITES = [p for p in SNAPSHOT_PREREQUISITES if p is not not_ipc_attached] + [snapshot_ready]
-def reattach_verified_on_device(facts: Facts, policy) -> str | None:
-    """criu+ipc is proven on the CPU; on a GPU its restore has not yet re-attached the weights."""
-    if policy.service["device"] != "cuda":
-        return None
-    return ("criu+ipc is not verified on a GPU: on the H200 the weights-less snapshot was taken (1.55 GB for 8B "
-            "shapes) but the restored engine did not take its weights back (docs/BENCHMARKS.md); auto never picks "
-            "it there; `restart --strategy criu+ipc` tries it, with cold as recovery")
-
-
-# asked for by name it runs (and a failure recovers cold); auto never picks it
-reattach_verified_on_device.forceable = lambda policy: True
-
 WEIGHTLESS_PREREQUISITES = [linux_x86_64, root_or_sudo, single_device, criu_usable, io_uring_off, revision_pinned,
-                            gpu_checkpoint_api, weightless_snapshot_ready, weight_cache_matches_snapshot,
-                            reattach_verified_on_device]
+                            gpu_checkpoint_api, weightless_snapshot_ready, weight_cache_matches_snapshot]

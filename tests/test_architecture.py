@@ -130,3 +130,9 @@ def test_no_state_through_the_environment():
             if target is not None and ast.unparse(target) == "os.environ":
                 offenders.append(f"{name}:{node.lineno}")
     assert offenders == []
+
+
+def test_the_cli_offers_every_model_preset():
+    from restartkit.cli import MODEL_PRESETS
+    from restartkit.reference.checkpoint import PRESETS
+    assert MODEL_PRESETS == list(PRESETS)

@@ -66,6 +66,10 @@ def test_snapshot_and_restore_give_the_same_canary(served):
     attempt = rec["attempts"][0]
     assert attempt["proof"]["restored_pid"] == snap["pid"]  # CRIU brings the process back under its PID
     assert {"wait_pids", "criu_restore", "kv_cache_restore"} <= set(attempt["phases"])
+    # the restored engine's parent is the keeper CRIU ran under (it adopted the tree): its PID is
+    # collected the moment it exits, for the next restore
+    ppid = int(next(x for x in open(f"/proc/{snap['pid']}/status") if x.startswith("PPid:")).split()[1])
+    assert b"keeper.py\0restore" in open(f"/proc/{ppid}/cmdline", "rb").read()
     # and the restored engine restarts again like any other
     code, rec = restart(policy, "--strategy", "cold")
     assert code == 0 and rec["proof"]["canary_identical"] is True

@@ -56,6 +56,13 @@ def test_a_weightless_snapshot_restores_through_criu_ipc(on_cache):
     assert snap["reattach"]["ipc"] == "hit"  # the engine took its weights back after the dump
     listing = json.loads(run_cli("snapshot", "list", "--policy", policy, "--json").stdout)["snapshots"]
     assert listing[-1]["kind"] == "weightless"
+    # a test restore of this kind: the copy maps the same weight cache beside the serving engine
+    serving = engines_on(policy)
+    r = run_cli("snapshot", "test", "--policy", policy, "--json")
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["ok"] and out["canary_identical"], out
+    assert "reattach_weights" in out["phases"]
+    assert engines_on(policy) == serving  # the copy is gone, the engine untouched
     p = plan(policy)
     assert verdict(p, "criu+ipc")["eligible"] and p["attempt"] == "criu+ipc", p
     assert any("restores through criu+ipc" in r for r in verdict(p, "criu")["reasons"])

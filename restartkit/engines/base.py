@@ -95,6 +95,10 @@ class EngineAdapter:
         """What `plan` should say about this engine beyond the strategies' reasons."""
         return []
 
+    # a signal that makes the engine write every thread's stack to its log without stopping it (a
+    # restored engine that hangs is asked for them before it is killed); None: the engine has none
+    stack_signal: int | None = None
+
     # can the engine let go of the weights it maps from the weight cache before a dump, and map them
     # again after (a weights-less snapshot, restored by the criu+ipc strategy)?
     weightless_snapshots = False

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 from restartkit import __version__, http
 from restartkit.engines.base import EngineAdapter, LaunchSpec, python
@@ -82,6 +83,7 @@ class ReferenceAdapter(EngineAdapter):
                 "last": sleep.get("last") or {}}
 
     weightless_snapshots = True
+    stack_signal = signal.SIGQUIT  # faulthandler, registered by the server
 
     def before_snapshot(self, policy, weights: bool = False) -> dict:
         if weights:

@@ -77,6 +77,13 @@ PRESETS: dict[str, Preset] = {
         max_shard_bytes=5 * 10**9,
         about="14B shapes (48 layers of 5120, a 152k vocabulary), about 29.5 GB in bfloat16; size-independence benchmarks",
     ),
+    "24b-shape": Preset(
+        ModelConfig(vocab_size=131072, hidden_size=5120, intermediate_size=32768, num_hidden_layers=40,
+                    num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=8192,
+                    torch_dtype="bfloat16"),
+        max_shard_bytes=5 * 10**9,
+        about="24B shapes (40 layers of 5120, MLP 32768), about 48 GB in bfloat16: 3 x 8b-shape, for size independence",
+    ),
 }
 
 

@@ -343,7 +343,9 @@ class Engine:
         with self.lock:
             if self.options.tp_size > 1:
                 self._broadcast(CMD_DROP_KV)
-            return self._drop_kv_locked()
+            freed = self._drop_kv_locked()
+            _trim_heap()
+            return freed
 
     def _drop_kv_locked(self) -> int:
         freed = self.model.kv_cache_bytes
@@ -390,6 +392,7 @@ class Engine:
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
                 torch.cuda.ipc_collect()  # the CUDA IPC handle: closed once no storage holds it
+            _trim_heap()  # freed host memory back to the kernel: CRIU dumps every page still mapped
             return {"weights_released_bytes": nbytes, "kv_cache_freed_bytes": freed_kv}
 
     def reattach_weights(self, fallback: bool = False) -> dict:
@@ -407,6 +410,15 @@ class Engine:
         if self.model is None:
             return 0
         return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.device.type != "meta")
+
+
+def _trim_heap() -> None:
+    """glibc's malloc_trim: free heap pages returned to the kernel (elsewhere: nothing)."""
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 @torch.inference_mode()

@@ -8,6 +8,7 @@ SIGTERM/SIGINT: stop accepting, finish the request in flight, exit 0.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -26,6 +27,8 @@ from restartkit.signals import block_stop_signals, next_stop_signal
 
 def serve(args: argparse.Namespace) -> int:
     take_ready_fd()
+    # SIGQUIT: every thread's stack to the log, the engine keeps running (a hang can be read, not guessed)
+    faulthandler.register(signal.SIGQUIT, all_threads=True)
     if args.worker_rank > 0:
         return serve_worker(args)
     if args.prepare_only:
@@ -152,4 +155,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Drained and stopped: what is left is the interpreter's teardown (torch's, CUDA's), half a
+    # second or more that the next engine, or a CRIU restore waiting for this PID, would wait on
+    # for nothing.  The kernel and the driver free the memory either way.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from restartkit import keeper
 from restartkit.errors import StrategyError
 from restartkit.files import log_tail
 
@@ -90,8 +91,27 @@ class Criu:
         log = images / log_name
         pidfile = images / pidfile_name
         pidfile.unlink(missing_ok=True)
-        self._cli(["restore", "--restore-detached", "--pidfile", str(pidfile), *extra], images, log, timeout_s, pids,
-                  pass_fds)
+        cmd = [self.binary, "restore", "--restore-detached", "--pidfile", str(pidfile), *extra, "-D", str(images),
+               "-o", log.name, *self._common()]
+        out = images / (log_name + ".out")
+        # under a keeper that adopts the restored tree when CRIU leaves it (a child subreaper): the
+        # restored engine's PID is free the moment it exits, for the restore after this one
+        try:
+            with open(out, "wb") as f:
+                _, criu_pid, ctl = keeper.start(subprocess.Popen, "restore", cmd, stdin=subprocess.DEVNULL, stdout=f,
+                                                stderr=f, close_fds=True, pass_fds=pass_fds)
+        except OSError as e:
+            raise CriuError(f"could not run {self.binary}: {e}") from None
+        try:
+            reply = ctl.read(timeout_s)
+        finally:
+            ctl.close()
+        if reply is None or "exit" not in reply:
+            _kill([criu_pid, *pids])
+            raise CriuError(f"criu restore did not finish within {timeout_s:.0f} s; it and the half-restored "
+                            "processes were killed", log_tail(log))
+        if reply["exit"] != 0:
+            raise CriuError(f"criu restore failed (exit {reply['exit']})", log_tail(log) or log_tail(out))
         return int(pidfile.read_text().strip())
 
     def _common(self) -> list[str]:

@@ -393,7 +393,8 @@ def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict, dict]:
         except Exception as e:
             what = "its weights from the weight cache" if weightless else "its KV cache"
             raise StrategyError(f"the restored engine (PID {pid}) did not take {what} back: "
-                                f"{getattr(e, 'message', None) or e}") from None
+                                f"{getattr(e, 'message', None) or e}",
+                                hint=_ask_for_stacks(service, pid) if _no_answer(e) else None) from None
         phases["reattach_weights" if weightless else "kv_cache_restore"] = round(time.monotonic() - t, 3)
         t = time.monotonic()
         remaining = max(1.0, deadline - time.monotonic())
@@ -405,6 +406,25 @@ def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict, dict]:
         raise
     service.mark_ready(proc, "criu+ipc" if weightless else "criu")
     return proc, phases, load
+
+
+def _no_answer(e: Exception) -> bool:
+    """The engine did not answer at all (a timeout), as opposed to answering with an error."""
+    return hasattr(e, "status") and e.status is None
+
+
+def _ask_for_stacks(service, pid: int) -> str | None:
+    """Before a stuck restored engine is killed: have it write its threads' stacks to its log
+    (where the engine can), and say where they are."""
+    sig = service.adapter.stack_signal
+    if sig is None:
+        return None
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        return None
+    service.seam.sleep(0.5)  # the engine writes them from its signal handler
+    return f"its threads' stacks, written when it was given up on, are at the end of {service.log_path}"
 
 
 def _name(pid: int) -> str:

@@ -148,9 +148,13 @@ def open_memfd(fd: int, nbytes: int, writable: bool) -> tuple[torch.Tensor, mmap
 
 
 def open_cuda(h: dict) -> torch.Tensor:
+    """Map the daemon's arena.  Its producer event is not waited on (event_sync_required False):
+    the daemon synchronizes before it hands out any handle, and torch never destroys an event it
+    opens over IPC: one left in the engine is an imported resource that the driver's checkpoint
+    cannot carry (a weights-less snapshot's restore would stall on it)."""
     b = lambda s: base64.b64decode(s) if s is not None else None  # noqa: E731
     torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(
         h["device"], b(h["handle"]), h["size"], h["offset"], b(h["ref_counter_handle"]), h["ref_counter_offset"],
-        b(h["event_handle"]), h["event_sync_required"])
+        b(h["event_handle"]) or b"", False)
     return torch.empty(0, dtype=torch.uint8, device=f"cuda:{h['device']}").set_(storage, 0, (h["nbytes"],), (1,))

@@ -1,0 +1,98 @@
+"""The engine's process, for real: its keeper (restartkit/keeper.py) reaps it the moment it
+exits (the PID free for a CRIU restore), reads like the engine to the caller (its exit
+status), ignores the stop signals meant for the engine, and in restore mode adopts what the
+restoring process leaves behind; the reference engine writes its threads' stacks on SIGQUIT."""
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from restartkit import keeper
+from tests.conftest import run_cli
+
+
+def parent_of(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("PPid:"):
+            return int(line.split()[1])
+    raise AssertionError(pid)
+
+
+def cmdline(pid: int) -> str:
+    return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+
+
+def gone(pid: int, timeout_s: float = 10.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while os.path.exists(f"/proc/{pid}"):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_the_keeper_reads_like_the_engine():
+    k, pid, _ = keeper.start(subprocess.Popen, "spawn", ["sleep", "60"])
+    assert parent_of(pid) == k.pid and "keeper.py spawn" in cmdline(k.pid)
+    assert os.getsid(pid) == pid  # the engine leads its own session, as CRIU wants of a dumped tree
+    os.kill(k.pid, signal.SIGTERM)  # a stop is for the engine, not its keeper
+    time.sleep(0.2)
+    assert k.poll() is None
+    os.kill(pid, signal.SIGKILL)
+    assert k.wait(timeout=10) == -signal.SIGKILL  # killed by a signal: the same signal
+    assert not os.path.exists(f"/proc/{pid}")  # reaped by the keeper before it exited
+    k, _, _ = keeper.start(subprocess.Popen, "spawn", ["sh", "-c", "exit 7"])
+    assert k.wait(timeout=10) == 7
+
+
+def test_a_command_that_cannot_start_is_an_os_error_naming_it():
+    with pytest.raises(OSError, match="/nonexistent/engine"):
+        keeper.start(subprocess.Popen, "spawn", ["/nonexistent/engine"])
+
+
+def test_restore_mode_adopts_what_the_restorer_leaves(tmp_path):
+    """As `criu restore --restore-detached`: the child exits, its detached child lives on."""
+    pidfile = tmp_path / "left.pid"
+    k, _, ctl = keeper.start(subprocess.Popen, "restore",
+                             ["sh", "-c", f"sleep 60 >/dev/null 2>&1 & echo $! > {pidfile}; exit 3"])
+    assert ctl.read(10) == {"exit": 3}
+    ctl.close()
+    left = int(pidfile.read_text())
+    assert parent_of(left) == k.pid  # a child subreaper: the orphan came to the keeper, not to init
+    os.kill(left, signal.SIGKILL)
+    assert k.wait(timeout=10) == 0  # it leaves once the last adopted process is collected ...
+    assert not os.path.exists(f"/proc/{left}")  # ... by itself
+
+
+def test_an_engine_started_by_restartkit_is_kept(make_policy, service_cleanup):
+    policy = make_policy()
+    service_cleanup(policy)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    pid = json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]
+    kp = parent_of(pid)
+    assert "keeper.py spawn" in cmdline(kp)
+    assert not any(str(pid) in p or "restartkit.reference" in p for p in cmdline(kp).split()[:6])  # argv not shown
+    os.kill(pid, signal.SIGKILL)
+    assert gone(kp)  # the keeper exits only after it collected the engine ...
+    assert not os.path.exists(f"/proc/{pid}")  # ... so the PID is free at once
+    st = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
+    assert not st["serving"]
+
+
+def test_sigquit_writes_the_engines_stacks_and_it_keeps_serving(make_policy, service_cleanup):
+    policy = make_policy()
+    service_cleanup(policy)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    pid = json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]
+    log = policy.parent / "state" / "svc" / "engine.log"
+    before = log.stat().st_size
+    os.kill(pid, signal.SIGQUIT)
+    end = time.monotonic() + 10
+    while b"most recent call first" not in log.read_bytes()[before:] and time.monotonic() < end:
+        time.sleep(0.05)
+    assert b"most recent call first" in log.read_bytes()[before:]
+    r = run_cli("restart", "--policy", policy, "--strategy", "cold", "--json")  # alive and well: it restarts
+    assert r.returncode == 0 and json.loads(r.stdout)["proof"]["canary_identical"] is True
