@@ -10,6 +10,7 @@ old=$(cat /proc/sys/kernel/io_uring_disabled)
 trap 'echo $old > /proc/sys/kernel/io_uring_disabled; $RK stop --policy $W/vllm.toml >/dev/null 2>&1 || true' EXIT
 echo 2 > /proc/sys/kernel/io_uring_disabled
 mkdir -p "$W"
+mkdir -p "$W/models"
 [ -f "$W/models/small/config.json" ] || $RK model create --preset small --out "$W/models/small" >/dev/null
 cat > "$W/vllm.toml" <<TOML
 [service]
