@@ -61,6 +61,8 @@ def restart(service: Service, requested: str = "auto", reason: str = "restart", 
         rec.downtime = probe.summary()
     if trigger is not None:
         rec.trigger = dict(trigger)
+        if trigger.get("noticed_at"):  # where the time after a crash went: before the restart began, and in all
+            rec.trigger["noticed_to_start_s"] = round(rec.started_at - trigger["noticed_at"], 3)
         if rec.final_state == "serving" and trigger.get("noticed_at"):
             rec.trigger["noticed_to_serving_s"] = round(time.time() - trigger["noticed_at"], 3)
     return _close(service, rec, strict)

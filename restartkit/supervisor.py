@@ -63,8 +63,9 @@ class Notifier:
 
 class Supervisor:
     def __init__(self, service, say: Callable[[str], None] = print, notifier: Notifier | None = None):
-        from restartkit.restart import restart  # the restart flow (strategies through its registry)
+        from restartkit.restart import plan_for, restart  # the restart flow (strategies through its registry)
         self.service, self.say = service, say
+        self.plan_for = plan_for
         self.notify = notifier or Notifier()
         self.cfg = service.policy.supervise
         self.restart = restart
@@ -85,9 +86,19 @@ class Supervisor:
             if not self._first_start():
                 return self._give_up("the engine did not start")
             self.notify.send("READY=1", self._status())
+            self._warm_up()
             return self._watch()
         finally:
             self.path.unlink(missing_ok=True)
+
+    def _warm_up(self) -> None:
+        """Plan a crash restart once, for nothing, while the engine serves: the first real one then
+        finds the strategies' modules imported and the host's libraries (NVML, CRIU's checks) loaded
+        instead of paying for them between the crash and the restart."""
+        try:
+            self.plan_for(self.service, "auto", "crash")
+        except Exception:
+            pass
 
     def _watch(self) -> int:
         misses, last_completion, last_pid = 0, time.monotonic(), None

@@ -3,8 +3,10 @@
 
     python3 scripts/supervise_bench.py [--preset small] [--kills 5] [--device cpu|cuda] [--work DIR]
 
-Twice: with the weight cache running (auto brings a crash back through ipc) and without it
-(a cold restart: what systemd's Restart= alone would give).  Each crash is timed from the
+With the weight cache running (auto brings a crash back through ipc), without it (a cold
+restart: what systemd's Restart= alone would give), and (--modes snapshot) with the cache and a
+weights-less snapshot of the engine on it (auto ranks criu+ipc first: a crash comes back through a
+CRIU restore with the weights re-attached; needs root and CRIU).  Each crash is timed from the
 kill to a completion answered again (the client's view), and the record's own numbers are
 reported (noticed -> serving, strategy, canary).
 """
@@ -42,7 +44,7 @@ def answers(port: int) -> bool:
         return False
 
 
-def run(pol: Path, port: int, kills: int, with_cache: bool) -> list[dict]:
+def run(pol: Path, port: int, kills: int, with_cache: bool, snapshot: bool = False) -> list[dict]:
     cli("weightcache", "release", "--policy", pol, "--stop", "--force")
     cli("stop", "--policy", pol)
     if with_cache:
@@ -55,6 +57,8 @@ def run(pol: Path, port: int, kills: int, with_cache: bool) -> list[dict]:
             time.sleep(0.2)
         if with_cache:  # onto the cache first, as rollout would
             cli("restart", "--policy", pol, "--strategy", "ipc", "--wait", "120", check=True)
+        if snapshot:  # taken while supervise watches: it holds the service's lock meanwhile
+            cli("snapshot", "create", "--policy", pol, "--wait", "120", check=True)
         for _ in range(kills):
             last = (json.loads(cli("history", "--policy", pol, "--last", "1", "--json").stdout)["records"] or [{}])[-1].get("id")
             pid = json.loads(cli("status", "--policy", pol, "--json").stdout)["pid"]
@@ -70,6 +74,8 @@ def run(pol: Path, port: int, kills: int, with_cache: bool) -> list[dict]:
                 time.sleep(0.2)
             out.append({"kill_to_answer_s": round(seen, 3), "served_by": rec["served_by"],
                         "noticed_to_serving_s": (rec.get("trigger") or {}).get("noticed_to_serving_s"),
+                        "noticed_to_start_s": (rec.get("trigger") or {}).get("noticed_to_start_s"),
+                        "time_to_ready_s": rec.get("time_to_ready_s"),
                         "canary_identical": rec["proof"].get("canary_identical"), "reason": rec["reason"]})
             time.sleep(1)
     finally:
@@ -86,6 +92,7 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--work", default="/tmp/rk-supervise")
     p.add_argument("--port", type=int, default=8760)
+    p.add_argument("--modes", default="cache,cold", help="cache, cold, snapshot (comma-separated)")
     a = p.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -111,7 +118,9 @@ health_interval_s = 1
 backoff_s = 0.01       # each kill is its own crash here: no backoff between them
 backoff_max_s = 0.01
 """)
-    results = {"with weight cache": run(pol, a.port, a.kills, True), "cold only": run(pol, a.port, a.kills, False)}
+    modes = {"cache": ("with weight cache", True, False), "cold": ("cold only", False, False),
+             "snapshot": ("cache + snapshot", True, True)}
+    results = {modes[m][0]: run(pol, a.port, a.kills, modes[m][1], modes[m][2]) for m in a.modes.split(",")}
     print(f"\nsupervise: {a.kills} x SIGKILL of the engine ({a.preset}, {a.device}, {time.strftime('%Y-%m-%d %H:%M %Z')})")
     for name, runs in results.items():
         ks = [r["kill_to_answer_s"] for r in runs]
@@ -120,6 +129,10 @@ backoff_max_s = 0.01
               f"{statistics.median(ks):.2f} s (min {min(ks):.2f}, max {max(ks):.2f}); noticed -> serving median "
               f"{statistics.median(ns) if ns else 0:.2f} s; canary identical {all(r['canary_identical'] for r in runs)}; "
               f"reasons {sorted({r['reason'] for r in runs})}")
+        for r in runs:  # each crash: noticed -> the restart's start (lock, reaping, facts, plan), its time to ready
+            print(f"    kill -> answering {r['kill_to_answer_s']:.2f} s: noticed -> restart start "
+                  f"{r['noticed_to_start_s']} s, time to ready {r['time_to_ready_s']} s, noticed -> serving "
+                  f"{r['noticed_to_serving_s']} s ({r['served_by']})")
     return 0
 
 

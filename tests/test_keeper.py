@@ -96,3 +96,21 @@ def test_sigquit_writes_the_engines_stacks_and_it_keeps_serving(make_policy, ser
     assert b"most recent call first" in log.read_bytes()[before:]
     r = run_cli("restart", "--policy", policy, "--strategy", "cold", "--json")  # alive and well: it restarts
     assert r.returncode == 0 and json.loads(r.stdout)["proof"]["canary_identical"] is True
+
+
+def test_a_killed_keeper_leaves_the_engine_serving(make_policy, service_cleanup):
+    """SIGKILL cannot be ignored: the engine goes on (its parent is now init), restartkit still
+    knows it by PID and start time, and restarts it."""
+    policy = make_policy()
+    service_cleanup(policy)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    pid = json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]
+    kp = parent_of(pid)
+    os.kill(kp, signal.SIGKILL)
+    assert gone(kp)
+    st = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
+    assert st["serving"] and st["pid"] == pid
+    r = run_cli("restart", "--policy", policy, "--strategy", "cold", "--json")
+    rec = json.loads(r.stdout)
+    assert r.returncode == 0 and rec["proof"]["canary_identical"] is True
+    assert gone(pid)  # the old engine stopped, even without its keeper

@@ -108,6 +108,7 @@ def test_a_killed_engine_comes_back_through_ipc_recorded_as_a_crash(supervised, 
     assert rec["proof"]["canary_identical"] is True
     assert rec["trigger"]["by"] == "supervise" and "exited" in rec["trigger"]["what"]
     assert 0 < rec["trigger"]["noticed_to_serving_s"] < 60
+    assert 0 <= rec["trigger"]["noticed_to_start_s"] <= rec["trigger"]["noticed_to_serving_s"]
     st = s.status()
     assert st["serving"] and st["pid"] != first["pid"] and st["supervisor"]["restarts"][-1]["served_by"] == "ipc"
     s.wait_note("last restart (crash): ipc")

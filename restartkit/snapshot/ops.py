@@ -284,6 +284,17 @@ def cuda_pids(pids: list[int]) -> list[int]:
     return [p for p in pids if uses_cuda(p)]
 
 
+def device_restore(pid: int) -> float:
+    """After CRIU restored the tree of `pid`: the driver puts each CUDA process's device memory back
+    and lets it run again; returns the seconds it took."""
+    t = time.monotonic()
+    cuda = CudaCheckpoint()
+    for p in cuda_pids(tree_pids(pid)):
+        cuda.restore(p)
+        cuda.unlock(p)
+    return round(time.monotonic() - t, 3)
+
+
 def _put_back(service, pids: list[int], cuda: CudaCheckpoint | None, kv_dropped: bool, weights: bool = False) -> dict:
     """The engine as it was before the dump: device memory back, weights re-attached, KV cache back."""
     if cuda is not None:
@@ -377,12 +388,7 @@ def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict, dict]:
     deadline = time.monotonic() + service.policy.restart["start_timeout_s"]
     try:
         if snap.manifest.get("gpu"):
-            t = time.monotonic()
-            cuda = CudaCheckpoint()
-            for p in cuda_pids(tree_pids(pid)):
-                cuda.restore(p)
-                cuda.unlock(p)
-            phases["cuda_restore"] = round(time.monotonic() - t, 3)
+            phases["cuda_restore"] = device_restore(pid)
         t = time.monotonic()
         weightless = snap.manifest.get("kind") == "weightless"
         try:

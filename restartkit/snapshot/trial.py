@@ -135,15 +135,8 @@ def _inside(args) -> dict:
     phases["criu_restore"] = round(time.monotonic() - t, 3)
     manifest = json.loads((images / "manifest.json").read_text())
     if manifest.get("gpu"):  # the driver puts the copy's device memory back (its context, no weights)
-        from restartkit.snapshot.cudackpt import CudaCheckpoint
-        from restartkit.snapshot.ops import cuda_pids
-        from restartkit.supervise import tree_pids
-        t = time.monotonic()
-        cuda = CudaCheckpoint()
-        for p in cuda_pids(tree_pids(pid)):
-            cuda.restore(p)
-            cuda.unlock(p)
-        phases["cuda_restore"] = round(time.monotonic() - t, 3)
+        from restartkit.snapshot.ops import device_restore
+        phases["cuda_restore"] = device_restore(pid)
     t = time.monotonic()
     # a weights-less copy maps the weights from the serving engine's weight cache (a second user
     # of the same arena: no second copy of the weights), then gets its own KV cache
