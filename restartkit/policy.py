@@ -175,7 +175,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "strategies": Key(list, ["auto"], doc="'auto' or strategies in preference order", check=_strategy_list),
         "rank": Key(str, "measured", ("measured", "order"),
                     doc="with strategies = ['auto']: measured ranks the eligible strategies by this service's "
-                        "measured (or estimated) time, fastest first; order keeps sleep > ipc > criu > cold"),
+                        "measured (or estimated) time, fastest first; order keeps sleep > criu+ipc > ipc > criu > cold"),
         "rank_runs": Key(int, 5, check=_positive, doc="the last N successful restarts of a strategy whose median counts"),
         "rank_max_age_h": Key((int, float), 168.0, check=_hours,
                               doc="measurements older than this do not count"),
