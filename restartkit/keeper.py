@@ -11,9 +11,13 @@ Two modes, one control socket (a socketpair end passed as a descriptor):
   spawn    start the engine (argv sent as JSON on the socket), answer its PID, and exit
            with the engine's own status when it exits (killed by a signal: the same
            signal), so the caller's Popen of the keeper reads like one of the engine.
-  restore  run `criu restore --restore-detached` as a child subreaper: answer criu's PID,
-           then "exit N" when criu is done; the restored tree is handed to the keeper when
-           criu leaves it, and the keeper stays until the last of it is reaped.
+  restore  run `criu restore --restore-detached`: answer criu's PID, then "exit N" when
+           criu is done; the restored tree is handed to the keeper when criu leaves it.
+
+In both the keeper is a child subreaper: processes the engine leaves behind when it dies
+(a multi-process engine's helpers, orphaned by a crash) come to the keeper, which kills
+them once the engine has exited, so that no orphan keeps device memory, a port or a PID
+that the next engine needs, and collects them at once.
 
 The keeper ignores SIGTERM, SIGINT, SIGHUP and SIGQUIT (a stop is for the engine, which
 gets those signals at their defaults), holds none of the caller's descriptors once the
@@ -38,9 +42,9 @@ def main(argv: list[str]) -> int:
         signal.signal(s, signal.SIG_IGN)
     os.set_inheritable(ctl, False)
     spec = json.loads(_read_all(ctl))
-    if mode == "restore":
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    import ctypes
+    # a child subreaper: whatever the engine leaves behind when it dies comes to the keeper, not to init
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     try:
         pid = os.posix_spawnp(spec["argv"][0], spec["argv"], os.environ, setsid=True, setsigdef=IGNORED)
     except OSError as e:
@@ -50,21 +54,48 @@ def main(argv: list[str]) -> int:
     _let_go_of_descriptors(ctl)
     if mode == "spawn":
         os.close(ctl)
-    status = None
+    engine = pid if mode == "spawn" else None  # restore: the tree CRIU leaves behind, once it is done
+    status, ending = None, False
     while True:
+        if ending:  # the engine is gone: so are its helpers (their PIDs free, their memory back)
+            for child in _children():
+                try:
+                    os.kill(child, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         try:
             got, st = os.wait()
         except ChildProcessError:
             break
-        if got == pid:
-            status = os.waitstatus_to_exitcode(st)
-            if mode == "spawn":
-                break
-            _say(ctl, {"exit": status})
+        if mode == "restore" and got == pid:
+            _say(ctl, {"exit": os.waitstatus_to_exitcode(st)})
             os.close(ctl)
+            left = _children()
+            engine = left[0] if len(left) == 1 else None
+        elif got == engine:
+            status, ending = os.waitstatus_to_exitcode(st), True
     if mode == "spawn" and status is not None and status < 0:
         _die_like(-status)
     return status if mode == "spawn" and status is not None else 0
+
+
+def _children() -> list[int]:
+    """The keeper's children (its own and those it adopted)."""
+    me = os.getpid()
+    try:
+        with open(f"/proc/{me}/task/{me}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:  # a kernel without /proc/PID/task/TID/children
+        out = []
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    with open(f"/proc/{d}/stat") as f:
+                        if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                            out.append(int(d))
+                except (OSError, ValueError, IndexError):
+                    pass
+        return out
 
 
 def _read_all(fd: int) -> bytes:

@@ -48,6 +48,23 @@ def test_the_keeper_reads_like_the_engine():
     assert k.wait(timeout=10) == 7
 
 
+def test_what_the_engine_leaves_behind_dies_with_it(tmp_path):
+    """A helper the engine started (a multi-process engine's worker) and that a crash orphans comes
+    to the keeper, which kills and collects it: nothing holds the engine's memory, port or PIDs."""
+    pidfile = tmp_path / "helper.pid"
+    k, pid, _ = keeper.start(subprocess.Popen, "spawn",
+                             ["sh", "-c", f"sleep 300 >/dev/null 2>&1 & echo $! > {pidfile}; exec sleep 300"])
+    end = time.monotonic() + 10
+    while not pidfile.exists() or not pidfile.read_text().strip():
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    helper = int(pidfile.read_text())
+    assert parent_of(helper) == pid
+    os.kill(pid, signal.SIGKILL)  # the engine crashes; its helper is orphaned
+    assert k.wait(timeout=10) == -signal.SIGKILL
+    assert not os.path.exists(f"/proc/{helper}")  # killed and collected by the keeper before it left
+
+
 def test_a_command_that_cannot_start_is_an_os_error_naming_it():
     with pytest.raises(OSError, match="/nonexistent/engine"):
         keeper.start(subprocess.Popen, "spawn", ["/nonexistent/engine"])
