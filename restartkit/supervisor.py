@@ -35,7 +35,7 @@ from typing import Callable
 from restartkit.errors import EXIT_SERVING
 from restartkit.files import write_json_atomic
 from restartkit.guard import guarded, lock_holder
-from restartkit.supervise import kill_tree, proc_start_ticks, reap
+from restartkit.supervise import ProcState, holder_alive, kill_tree, proc_start_ticks
 
 EXIT_GAVE_UP = 1  # what systemd's Restart=on-failure and Kubernetes act on
 
@@ -106,9 +106,7 @@ class Supervisor:
             proc = self.service.current()
             if proc is None:  # gone between two looks (before its pidfd was open), or never came back
                 what = f"the engine (PID {last_pid}) exited" if last_pid else "the engine is not running"
-                if last_pid:
-                    reap(last_pid)
-                last_pid = None
+                last_pid = None  # its keeper collected it
                 if (rc := self._failure(what, None)) is not None:
                     return rc
                 continue
@@ -128,7 +126,6 @@ class Supervisor:
                     continue
                 return self._stop(signal.Signals(sig).name)
             if exited:
-                reap(proc.pid)
                 if (rc := self._failure(f"the engine (PID {proc.pid}) exited", proc.pid)) is not None:
                     return rc
                 misses, last_completion = 0, time.monotonic()
@@ -168,7 +165,6 @@ class Supervisor:
 
     # ---- probes --------------------------------------------------------------------
     def _busy(self, proc) -> bool:
-        from restartkit.supervise import ProcState
         return proc.state is not ProcState.READY or lock_holder(self.service.state_dir) is not None
 
     def _healthy(self) -> bool:
@@ -325,7 +321,6 @@ def read_state(state_dir) -> dict | None:
     """The supervisor's state, when one runs for this service."""
     import json
 
-    from restartkit.supervise import holder_alive
     try:
         data = json.loads((state_dir / "supervisor.json").read_text())
     except (OSError, ValueError):

@@ -288,19 +288,20 @@ def device_restore(pid: int) -> float:
     """After CRIU restored the tree of `pid`: the driver puts each CUDA process's device memory back
     and lets it run again; returns the seconds it took."""
     t = time.monotonic()
-    cuda = CudaCheckpoint()
-    for p in cuda_pids(tree_pids(pid)):
+    _devices_back(CudaCheckpoint(), tree_pids(pid))
+    return round(time.monotonic() - t, 3)
+
+
+def _devices_back(cuda: CudaCheckpoint, pids: list[int]) -> None:
+    for p in cuda_pids(pids):
         cuda.restore(p)
         cuda.unlock(p)
-    return round(time.monotonic() - t, 3)
 
 
 def _put_back(service, pids: list[int], cuda: CudaCheckpoint | None, kv_dropped: bool, weights: bool = False) -> dict:
     """The engine as it was before the dump: device memory back, weights re-attached, KV cache back."""
     if cuda is not None:
-        for p in cuda_pids(pids):
-            cuda.restore(p)
-            cuda.unlock(p)
+        _devices_back(cuda, pids)
     out = {}
     if kv_dropped:
         out = service.adapter.after_resume(service.policy, weights=weights)
