@@ -26,6 +26,13 @@ HISTORY_LINES = 2000  # how far back history.jsonl is read
 # the engine resumed): a restore moves the same bytes back.  Measured on the H200 (8B shapes): dump side
 # 23.0 s, restore 15.5 s; a raw read of the images from the page cache (7.4 GB/s) said 2.4 s.
 DUMP_MOVES = ("cuda_checkpoint", "criu_dump", "resume")
+# What a restore of each kind costs whatever its size (its fixed phases), the floor of every estimate made
+# from bytes: CRIU forking the tree and mapping its files (0.12-0.21 s for the smallest CPU engine,
+# docs/BENCHMARKS.md), the readiness probe, and for criu+ipc the weights re-attached (0.13-0.14 s on the H200).
+# An estimate of 0 s would rank a strategy first on no evidence.
+RESTORE_FLOOR_S = {"criu": {"criu_restore": 0.1, "ready": 0.02},
+                   "criu+ipc": {"criu_restore": 0.1, "reattach_weights": 0.05, "ready": 0.02}}
+ESTIMATE_FLOOR_S = 0.01  # no estimate rounds to 0, whatever it is made of
 
 
 def context(facts: Facts, policy) -> dict:
@@ -108,6 +115,14 @@ def gather(service, facts: Facts, names, now: float | None = None) -> dict[str, 
 
 
 def _estimate(name: str, facts: Facts) -> tuple[float, str] | None:
+    est = _estimate_raw(name, facts)
+    if est is None:
+        return None
+    t, how = est
+    return max(ESTIMATE_FLOOR_S, round(t, 3)), how
+
+
+def _estimate_raw(name: str, facts: Facts) -> tuple[float, str] | None:
     stats = facts.service.stats or {}
     phases = stats.get("phases") or {}
     spawn = phases.get("ready_since_spawn")
@@ -140,9 +155,12 @@ def _estimate(name: str, facts: Facts) -> tuple[float, str] | None:
         if images and nbytes:
             bw = read_bandwidth(Path(images))
             if bw:
-                t = nbytes / bw
-                return round(t, 3), (f"{nbytes / 1e9:.2f} GB of images at the {bw / 1e9:.2f} GB/s this host "
-                                     "reads them now; restore overheads unknown")
+                floor = RESTORE_FLOOR_S[name]
+                fixed = sum(floor.values())
+                t = fixed + nbytes / bw
+                return t, (f"{nbytes / 1e9:.2f} GB of images at the {bw / 1e9:.2f} GB/s this host reads them "
+                           f"now, plus the fixed phases of a restore ({fixed:.2f} s: "
+                           f"{', '.join(f'{k} {v:.2f} s' for k, v in floor.items())})")
     return None
 
 
