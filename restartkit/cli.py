@@ -44,7 +44,7 @@ def say(msg: str) -> None:
 
 def guarded(svc, command: str, wait_s: float = 0.0, **kw):
     """The lock, the preflight, reconciliation and the intent of a command that changes `svc`."""
-    from restartkit.guard import guarded as guard
+    from restartkit.commands.reconcile import guarded as guard
     return guard(svc, command, wait_s, say, **kw)
 
 
@@ -197,7 +197,7 @@ def status(policy_path, as_json):
     _reconcile_if_free(svc)
     proc = svc.current()
     ready = proc is not None and svc.is_ready()
-    from restartkit.supervisor import read_state
+    from restartkit.commands.supervise import read_state
     last = read_history(svc.state_dir, last=1)
     sup = read_state(svc.state_dir)
     data = {"service": svc.policy.name, "running": proc is not None, "pid": proc.pid if proc else None,
@@ -235,7 +235,7 @@ def supervise(policy_path, install_unit, unit_dir, watchdog_sec):
 
     SIGTERM/SIGINT stop it and exit 0; SIGHUP restarts it (reason restart).  Too many failures
     within [supervise] start_limit_interval_s: the engine is left stopped and this exits 1."""
-    from restartkit.supervisor import Supervisor, install_unit as write_unit
+    from restartkit.commands.supervise import Supervisor, install_unit as write_unit
     svc = load(policy_path)
     if install_unit:
         path = write_unit(svc, unit_dir, watchdog_sec)
@@ -313,7 +313,7 @@ def preload(policy_path, detach, wait_ready, **flags):
 @friendly
 def rollout(policy_path, wait_s, as_json):
     """Put a service on its weight cache: cache first, then an ipc restart with fallback off, then the policy's own."""
-    from restartkit.rollout import rollout as do_rollout
+    from restartkit.commands.rollout import rollout as do_rollout
     svc = load(policy_path)
     with guarded(svc, "rollout", wait_s):
         recs = do_rollout(svc, say)
@@ -381,7 +381,7 @@ def sleep_cmd(policy_path, level, wait_s, as_json):
 
 def _sleep(svc, level):
     from restartkit.errors import EngineStartError, StrategyError
-    from restartkit.sleepcycle import Cycle, SleepCycleError
+    from restartkit.engines.sleepcycle import Cycle, SleepCycleError
     proc = svc.current()
     if proc is None:
         raise EngineStartError(f"{svc.policy.name} is not running", hint=f"restartkit start --policy {svc.policy.path}")
@@ -585,7 +585,7 @@ def snapshot_refresh(policy_path, force, install_timer, unit_dir, wait_s):
         click.echo(f"enable it: systemctl daemon-reload && systemctl enable --now {files[1].name}")
         click.echo(f"or, with cron (/etc/cron.d/restartkit): {cron}")
         return
-    from restartkit.guard import BusyError
+    from restartkit.guard.lock import BusyError
     from restartkit.snapshot.ops import store_for
     svc = load(policy_path)
     try:
@@ -675,7 +675,7 @@ def audit(path, engine, since, until, as_json):
 @friendly
 def bench(policy_path, strategies, repeat, out, wait_s, as_json):
     """Restart the same service with each strategy N times; compare time to ready."""
-    from restartkit.bench import render_bench, run_bench
+    from restartkit.commands.bench import render_bench, run_bench
     from restartkit.errors import UsageError
     from restartkit.contracts import STRATEGY_NAMES as STRATEGIES
     names = [s.strip() for s in strategies.split(",") if s.strip()]
@@ -694,7 +694,7 @@ def bench(policy_path, strategies, repeat, out, wait_s, as_json):
 @friendly
 def demo(workdir, repeat):
     """The main job on the embedded reference model, end to end on this machine."""
-    from restartkit.demo import run_demo
+    from restartkit.commands.demo import run_demo
     sys.exit(run_demo(workdir, repeat, say=click.echo, state_root=state_root()))
 
 

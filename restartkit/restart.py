@@ -16,7 +16,7 @@ from restartkit.planner import make_plan
 from restartkit.record import Record, write_record
 from restartkit.service import Service
 from restartkit.strategies import all_strategies
-from restartkit.supervise import now_ticks
+from restartkit.process.procfs import now_ticks
 
 
 def gather_facts(service: Service, reason: str, run_criu_check: bool = True) -> Facts:

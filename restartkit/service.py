@@ -14,15 +14,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from restartkit import keeper
+from restartkit.process import keeper
 from restartkit.contracts import FACT_TIMEOUT_S, ServiceFacts
 from restartkit.engines import get_adapter
 from restartkit.errors import EngineStartError, UsageError
 from restartkit.files import write_json_atomic
-from restartkit.intent import Intent
+from restartkit.guard.intent import Intent
 from restartkit.reference.ready import READY_FD_ENV
-from restartkit.supervise import (EngineProcess, ProcState, Seam, kill_tree, listeners, port_has_listener,
-                                  proc_start_ticks)
+from restartkit.process.engine import EngineProcess
+from restartkit.process.procfs import comm, create_time, kill_tree, listeners, port_has_listener, proc_start_ticks
+from restartkit.process.seam import Seam
+from restartkit.process.states import ProcState
 
 
 @dataclass
@@ -155,7 +157,7 @@ class Service:
         """Who listens on the service's port, if anyone."""
         pids = listeners(self.policy.service["port"])
         if pids:
-            return ", ".join(f"PID {p} ({_comm(p)})" for p in pids)
+            return ", ".join(f"PID {p} ({comm(p)})" for p in pids)
         return "another process" if self.port_listening() or self._connects() else None
 
     def _port_holder_after_grace(self, grace_s: float = 3.0) -> str | None:
@@ -251,13 +253,13 @@ class Service:
             if ready_w is not None:
                 os.close(ready_w)
         self.intent.update(pids=[pid])
-        return EngineProcess(pid=pid, create_time=_create_time(pid), start_ticks=proc_start_ticks(pid),
+        return EngineProcess(pid=pid, create_time=create_time(pid), start_ticks=proc_start_ticks(pid),
                              log_path=self.log_path, popen=popen, kept=True, seam=self.seam, ready_fd=ready_r), log_offset
 
     def adopt(self, pid: int, strategy: str) -> EngineProcess:
         """Record a process restartkit did not spawn itself (a CRIU restore) as the engine."""
         self.ensure_state_dir()
-        proc = EngineProcess(pid=pid, create_time=_create_time(pid), start_ticks=proc_start_ticks(pid),
+        proc = EngineProcess(pid=pid, create_time=create_time(pid), start_ticks=proc_start_ticks(pid),
                              log_path=self.log_path, seam=self.seam)
         self._write_pidfile(proc, strategy, ready=False)
         return proc
@@ -370,18 +372,3 @@ class Service:
 def subprocess_devnull():
     import subprocess
     return subprocess.DEVNULL
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return "?"
-
-
-def _create_time(pid: int) -> float | None:
-    try:
-        import psutil
-        return psutil.Process(pid).create_time()
-    except Exception:
-        return None

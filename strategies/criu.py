@@ -26,9 +26,9 @@ class CriuStrategy(BaseStrategy):
         out: dict = {"model_local": model_is_local(service.policy.service["model"])}
         if service.adapter is None or facts.service.model_problem:
             return out
-        from restartkit.snapshot.cudackpt import fd_targets
+        from restartkit.process.procfs import fd_targets
         from restartkit.snapshot.ops import arena_holders, identity, mismatches, store_for
-        from restartkit.supervise import tree_pids
+        from restartkit.process.procfs import tree_pids
         out["weightless_ok"] = service.adapter.weightless_snapshots
         if facts.service.pid:
             pids = tree_pids(facts.service.pid)

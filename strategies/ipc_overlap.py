@@ -23,8 +23,8 @@ import time
 
 from restartkit import http
 from restartkit.contracts import Outcome
-from restartkit.memory import free_memory
-from restartkit.supervise import ProcState
+from restartkit.process.memory import free_memory
+from restartkit.process.states import ProcState
 
 
 def draft_proof(load: dict) -> tuple[str, dict]:

@@ -85,7 +85,7 @@ class SleepStrategy(BaseStrategy):
         return out
 
     def execute(self, service, facts: Facts, plan: Plan) -> Outcome:
-        from restartkit.sleepcycle import Cycle, SleepCycleError
+        from restartkit.engines.sleepcycle import Cycle, SleepCycleError
         pol = service.policy
         state = facts.of("sleep").get("state") or {}
         level = state.get("level") or pol.sleep["level"]

@@ -1,4 +1,4 @@
-"""The engine's process, for real: its keeper (restartkit/keeper.py) reaps it the moment it
+"""The engine's process, for real: its keeper (restartkit/process/keeper.py) reaps it the moment it
 exits (the PID free for a CRIU restore), reads like the engine to the caller (its exit
 status), ignores the stop signals meant for the engine, and in restore mode adopts what the
 restoring process leaves behind; the reference engine writes its threads' stacks on SIGQUIT."""
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from restartkit import keeper
+from restartkit.process import keeper
 from tests.conftest import run_cli
 
 

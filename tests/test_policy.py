@@ -1,7 +1,7 @@
 """Policy files: defaults, and errors that name the file, the key and what is allowed."""
 import pytest
 
-from restartkit.demo import DEFAULT_WORKDIR, DEMO_POLICY
+from restartkit.commands.demo import DEFAULT_WORKDIR, DEMO_POLICY
 from restartkit.errors import PolicyError
 from restartkit.policy import load_policy, parse_policy
 from tests.conftest import ROOT

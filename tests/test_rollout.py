@@ -28,7 +28,7 @@ def test_rollout_starts_the_cache_and_proves_it(make_policy, sockdir, service_cl
 
 def test_rollout_builds_vllm_preload_with_the_policy_layout():
     from restartkit.policy import parse_policy
-    from restartkit.rollout import vllm_preload_argv
+    from restartkit.commands.rollout import vllm_preload_argv
     p = parse_policy({"service": {"name": "v", "engine": "vllm", "model": "org/m", "device": "cuda", "dtype": "bfloat16",
                                   "tensor_parallel_size": 4, "revision": "ab" * 20, "port": 8123,
                                   "engine_args": ["--quantization", "fp8"]},

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from restartkit.supervisor import Notifier
+from restartkit.commands.supervise import Notifier
 from tests.conftest import RESTARTKIT, ROOT, run_cli
 from tests.test_ipc import ipc_policy, preloads, sockdir, start_preload  # noqa: F401  (fixtures)
 

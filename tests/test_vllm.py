@@ -100,7 +100,7 @@ def test_sleep_cycle_speaks_vllms_http_interface(make_policy, vllm_model, servic
     by tags, reload after level 2.  The CPU build serves these endpoints (VLLM_SERVER_DEV_MODE=1)
     but its workers ignore sleep, so memory is never released: the check must catch that."""
     from restartkit.service import Service
-    from restartkit.sleepcycle import Cycle, SleepCycleError
+    from restartkit.engines.sleepcycle import Cycle, SleepCycleError
     policy = _vllm_policy(make_policy, vllm_model, service_cleanup, env=', VLLM_SERVER_DEV_MODE = "1"')
     assert run_cli("start", "--policy", policy, timeout=600).returncode == 0
     svc = Service.from_policy_file(policy)

@@ -157,7 +157,7 @@ def tree_cmdline(pid: int) -> str:
     how an engine was really started, whatever restartkit's policy says now."""
     import psutil
 
-    from restartkit.supervise import tree_pids
+    from restartkit.process.procfs import tree_pids
     out = []
     for p in tree_pids(pid):
         try:

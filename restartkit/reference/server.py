@@ -22,7 +22,7 @@ from restartkit.reference.assemble import _load
 from restartkit.reference.log import log
 from restartkit.reference.ready import take_ready_fd
 from restartkit.reference.workers import _stop_workers, serve_worker, spawn_workers
-from restartkit.signals import block_stop_signals, next_stop_signal
+from restartkit.process.signals import block_stop_signals, next_stop_signal
 
 
 def serve(args: argparse.Namespace) -> int:

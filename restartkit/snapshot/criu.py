@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from restartkit import keeper
+from restartkit.process import keeper
 from restartkit.errors import StrategyError
 from restartkit.files import log_tail
 

@@ -7,7 +7,8 @@ restore -> unlock brings it back.  Only the driver (libcuda) is needed.
 from __future__ import annotations
 
 import ctypes
-import os
+
+from restartkit.process.procfs import maps
 
 STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
 
@@ -53,21 +54,4 @@ class CudaCheckpoint:
 
 
 def uses_cuda(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            return any("libcuda.so" in line for line in f)
-    except OSError:
-        return False
-
-
-def fd_targets(pid: int) -> list[str]:
-    out = []
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
-            except OSError:
-                continue
-    except OSError:
-        pass
-    return out
+    return any("libcuda.so" in line for line in maps(pid))

@@ -21,11 +21,13 @@ from typing import Callable
 
 from restartkit import __version__
 from restartkit.errors import StrategyError, UsageError
-from restartkit.guard import check_interrupted
+from restartkit.guard.deferred import check_interrupted
 from restartkit.snapshot.criu import Criu, CriuError, put_back_shm
-from restartkit.snapshot.cudackpt import CudaCheckpoint, fd_targets, uses_cuda
+from restartkit.snapshot.cudackpt import CudaCheckpoint, uses_cuda
 from restartkit.snapshot.store import Snapshot, SnapshotStore, dir_bytes
-from restartkit.supervise import EngineProcess, Seam, kill_tree, reap, tree_pids
+from restartkit.process.engine import EngineProcess
+from restartkit.process.procfs import comm, environ_and_argv, fd_targets, kill_tree, maps, reap, tree_pids
+from restartkit.process.seam import Seam
 from restartkit.weightcache.fingerprint import local_checkpoint_identity
 
 ENV_PREFIXES = ("CUDA_", "NCCL_", "TORCH_", "PYTORCH_", "VLLM_", "SGLANG_", "OMP_", "MKL_")
@@ -90,12 +92,7 @@ def arena_holders(pids: list[int]) -> list[int]:
     """Processes of the tree that hold or map a weight-cache arena."""
     out = []
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                mapped = any(ARENA in line for line in f)
-        except OSError:
-            mapped = False
-        if mapped or any(ARENA in t for t in fd_targets(pid)):
+        if any(ARENA in line for line in maps(pid)) or any(ARENA in t for t in fd_targets(pid)):
             out.append(pid)
     return out
 
@@ -233,11 +230,10 @@ SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
 
 def secret_names(pid: int) -> list[str]:
     """Environment variables and flags of the running engine whose names say they hold a secret."""
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
+    got = environ_and_argv(pid)
+    if got is None:
         return []
+    environ, argv = got
     names = sorted({e.split(b"=", 1)[0].decode(errors="replace") for e in environ
                     if b"=" in e and e.split(b"=", 1)[1] and any(w in e.split(b"=", 1)[0].decode(errors="replace").upper()
                                                                  for w in SECRET_WORDS)})
@@ -271,12 +267,8 @@ def shm_files(pids: list[int]) -> list[str]:
     found = set()
     for p in pids:
         found.update(t for t in fd_targets(p) if t.startswith("/dev/shm/"))
-        try:
-            with open(f"/proc/{p}/maps") as f:
-                found.update(line.split(None, 5)[5].strip() for line in f
-                             if len(line.split(None, 5)) == 6 and " /dev/shm/" in line)
-        except OSError:
-            continue
+        found.update(line.split(None, 5)[5].strip() for line in maps(p)
+                     if len(line.split(None, 5)) == 6 and " /dev/shm/" in line)
     return sorted(t for t in found if not t.endswith("(deleted)") and os.path.exists(t))
 
 
@@ -366,7 +358,7 @@ def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict, dict]:
     taken = wait_pids_free(snap.manifest["tree_pids"], service.policy.criu["pid_wait_s"], service.seam)
     phases["wait_pids"] = round(time.monotonic() - t, 3)
     if taken:
-        holders = ", ".join(f"{p} ({_name(p)})" for p in taken)
+        holders = ", ".join(f"{p} ({comm(p)})" for p in taken)
         raise StrategyError(f"the snapshot's PIDs are taken: {holders}",
                             hint="CRIU restores processes under their old PIDs; they stayed taken past [criu] pid_wait_s")
     if holder := service.port_holder():
@@ -432,13 +424,6 @@ def _ask_for_stacks(service, pid: int) -> str | None:
         return None
     service.seam.sleep(0.5)  # the engine writes them from its signal handler
     return f"its threads' stacks, written when it was given up on, are at the end of {service.log_path}"
-
-
-def _name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return "?"
 
 
 __all__ = ["create", "restore", "identity", "mismatches", "store_for", "wait_pids_free", "CriuError"]

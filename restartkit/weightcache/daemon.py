@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from restartkit.signals import block_stop_signals, next_stop_signal
+from restartkit.process.signals import block_stop_signals, next_stop_signal
 from restartkit.weightcache import protocol
 from restartkit.weightcache.fingerprint import describe, differences
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from restartkit.errors import UsageError
-from restartkit.signals import block_stop_signals, next_stop_signal
+from restartkit.process.signals import block_stop_signals, next_stop_signal
 
 
 @dataclass

@@ -68,7 +68,7 @@ def wait_until_ready(layout, timeout: float, say, health: str | None = None) -> 
     from restartkit.weightcache.launcher import expected_uuids
     uuids = expected_uuids(layout)
     paths = [protocol.socket_path(u, draft, layout.socket_dir) for _, draft in layout.groups() for u in uuids]
-    from restartkit.supervise import Seam
+    from restartkit.process.seam import Seam
     states: dict = {}
 
     def ready() -> bool:

@@ -13,11 +13,22 @@ The interrupted restart gets its record in history.jsonl.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import signal
 import time
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterator
 
-from restartkit.intent import Intent
-from restartkit.supervise import EngineProcess, kill_tree, proc_start_ticks, tree_pids
+from restartkit.guard.deferred import deferred_signals
+from restartkit.guard.intent import Intent
+from restartkit.guard.lock import service_lock
+from restartkit.guard.preflight import preflight_writable
+from restartkit.record import Record, write_record
+from restartkit.snapshot.store import MANIFEST
+from restartkit.process.engine import EngineProcess
+from restartkit.process.procfs import kill_tree, proc_start_ticks, proc_state, tree_pids
 
 # commands after which the service was meant to serve
 SERVING_COMMANDS = {"restart", "start", "wake", "snapshot restore", "snapshot create", "snapshot refresh", "rollout",
@@ -75,9 +86,6 @@ def candidates(service, stale: dict) -> list[int]:
 
 def _continue_if_stopped(pid: int, say) -> None:
     """A CRIU killed while it held the tree frozen (a dump) leaves it stopped: let it run again."""
-    import os
-    import signal
-    from restartkit.supervise import proc_state
     stopped = [p for p in tree_pids(pid) if proc_state(p) in ("T", "t")]
     for p in stopped:
         try:
@@ -115,9 +123,6 @@ def _try_adopt(service, pid: int, stale: dict, say) -> bool:
 
 def _discard_partial_images(stale: dict, say) -> None:
     """A snapshot directory the dead command was writing (no manifest: never complete)."""
-    import shutil
-    from pathlib import Path
-    from restartkit.snapshot.store import MANIFEST
     images = Path(stale["images"]) if stale.get("images") else None
     if images is not None and images.is_dir() and not (images / MANIFEST).exists():
         shutil.rmtree(images, ignore_errors=True)
@@ -125,7 +130,6 @@ def _discard_partial_images(stale: dict, say) -> None:
 
 
 def _record(service, stale: dict, result: dict) -> None:
-    from restartkit.record import Record, write_record
     rec = Record(service=service.policy.name, policy=service.policy.path, requested=stale.get("strategy") or "-",
                  reason=stale.get("reason") or "restart", plan={})
     rec.started_at = stale.get("started_at") or rec.started_at
@@ -139,3 +143,24 @@ def _record(service, stale: dict, result: dict) -> None:
         rec.final_state, rec.served_by = "serving", "adopted engine" if result["adopted"] else "cold"
     rec.finish(strict=False)
     write_record(service, rec)
+
+
+@contextlib.contextmanager
+def guarded(service, command: str, wait_s: float = 0.0, say: Callable[[str], None] = lambda _m: None,
+            extra_dirs: tuple[tuple[Path, str], ...] = (), defer_signals: bool = True) -> Iterator[list[int]]:
+    """Everything a command that changes a service does first: the state dir (and
+    `extra_dirs`) proven writable, the service's lock, signals deferred, an
+    interrupted command before it reconciled, and its own intent begun.
+    Yields the list of deferred signals received (empty: none)."""
+    preflight_writable(service.state_dir)
+    for directory, what in extra_dirs:
+        preflight_writable(directory, what)
+    with service_lock(service.state_dir, service.policy.name, command, wait_s, say):
+        with (deferred_signals(say, f"`restartkit {command}`") if defer_signals else contextlib.nullcontext([])) as got:
+            reconcile(service, say, recover=command != "stop")
+            service.intent.begin(command, was_serving=service.current() is not None)
+            service.interrupts = got
+            try:
+                yield got
+            finally:
+                service.intent.clear()

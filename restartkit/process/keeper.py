@@ -197,7 +197,7 @@ def start(popen, mode: str, argv: list[str], timeout_s: float = 10.0, **popen_kw
             raise OSError(reply.get("errno") or 0, f"{reply.get('error', 'could not start it')}: {argv[0]}")
         keeper.kill()
         keeper.wait()
-        raise OSError(f"the keeper process (restartkit/keeper.py) did not start {argv[0]} within {timeout_s:.0f} s")
+        raise OSError(f"the keeper process (restartkit/process/keeper.py) did not start {argv[0]} within {timeout_s:.0f} s")
     if mode == "spawn":
         ctl.close()
     return keeper, int(reply["pid"]), ctl

@@ -50,7 +50,7 @@ def free_memory(device: str) -> int | None:
 def tree_memory(pid: int, device: str) -> int | None:
     """The engine's memory: the process and every descendant (vLLM's engine
     core and workers are child processes of its API server)."""
-    from restartkit.supervise import tree_pids
+    from restartkit.process.procfs import tree_pids
     values = [process_memory(p, device) for p in tree_pids(pid)]
     known = [v for v in values if v is not None]
     return sum(known) if known else None

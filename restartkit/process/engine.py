@@ -1,8 +1,4 @@
-"""Supervision of one engine process as an explicit state machine.
-
-    STARTING -> READY -> STOPPING -> EXITED
-    STARTING -> EXITED (it died while starting) -> FATAL (we give up, with a reason)
-    STARTING -> BACKOFF (not ready yet; probing again) -> STARTING
+"""One engine process as an explicit state machine (restartkit.process.states).
 
 Ready means a real completion was answered within the deadline, never "the
 PID exists".  Stopping is one fixed escalation: SIGTERM, wait, SIGKILL, wait;
@@ -11,11 +7,9 @@ the clock, sleeping) goes through `Seam`, which the logic tests replace.
 """
 from __future__ import annotations
 
-import enum
 import os
 import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -24,25 +18,9 @@ import tenacity
 
 from restartkit.errors import EngineStartError
 from restartkit.files import log_tail
-
-
-class ProcState(enum.Enum):
-    STARTING = "starting"
-    BACKOFF = "backoff"
-    READY = "ready"
-    STOPPING = "stopping"
-    EXITED = "exited"
-    FATAL = "fatal"
-
-
-ALLOWED = {
-    ProcState.STARTING: {ProcState.READY, ProcState.BACKOFF, ProcState.EXITED, ProcState.STOPPING, ProcState.FATAL},
-    ProcState.BACKOFF: {ProcState.STARTING, ProcState.EXITED, ProcState.STOPPING, ProcState.FATAL},
-    ProcState.READY: {ProcState.STOPPING, ProcState.EXITED},
-    ProcState.STOPPING: {ProcState.EXITED},
-    ProcState.EXITED: {ProcState.FATAL},
-    ProcState.FATAL: set(),
-}
+from restartkit.process.procfs import reap
+from restartkit.process.seam import Seam
+from restartkit.process.states import ALLOWED, ProcState
 
 
 class NotReady(Exception):
@@ -51,170 +29,6 @@ class NotReady(Exception):
 
 class ExitedEarly(Exception):
     pass
-
-
-@dataclass
-class Seam:
-    """The one door for side effects."""
-    clock: Callable[[], float] = time.monotonic
-    sleep: Callable[[float], None] = time.sleep
-    kill: Callable[[int, int], None] = os.kill
-    popen: Callable[..., subprocess.Popen] = subprocess.Popen
-
-    def wait_until(self, done: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
-        """Ask `done` until it says yes (True) or `timeout_s` passed (False; it is asked once
-        more at the deadline).  The one poll loop: every wait of restartkit's own goes through it."""
-        deadline = self.clock() + max(0.0, timeout_s)
-        while True:
-            if done():
-                return True
-            if self.clock() >= deadline:
-                return False
-            self.sleep(interval_s)
-
-    def reap_until_gone(self, pids: list[int], timeout_s: float, also: Callable[[], bool] = lambda: True) -> bool:
-        """Reap `pids` (our children, or orphans we adopted) until none of their trees is left
-        and `also` holds, or the timeout passed."""
-        def gone() -> bool:
-            for p in pids:
-                reap(p)
-            return not any(tree_pids(p) for p in pids) and also()
-        return self.wait_until(gone, timeout_s)
-
-    def alive(self, pid: int, create_time: float | None = None, start_ticks: int | None = None) -> bool:
-        """Is this process (not another one under a reused PID) alive?  Named by its start
-        time in clock ticks since boot when known (no clock step changes it), else by its
-        wall-clock create time (records written before start ticks were kept)."""
-        if start_ticks is not None:
-            return proc_start_ticks(pid) == start_ticks and not _exited(pid)
-        try:
-            import psutil
-            p = psutil.Process(pid)
-            if p.status() == psutil.STATUS_ZOMBIE:
-                return False
-            return create_time is None or abs(p.create_time() - create_time) < 0.5
-        except Exception:  # NoSuchProcess, AccessDenied on a foreign PID
-            return False
-
-
-def proc_start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22):
-    with the PID, it names one process, and no clock step can change it."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-        return int(raw[raw.rindex(")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def holder_alive(info: dict) -> bool:
-    pid = info.get("pid")
-    return bool(pid) and proc_start_ticks(pid) is not None and proc_start_ticks(pid) == info.get("start_ticks")
-
-
-def now_ticks() -> int:
-    """Now, in the clock ticks since boot that /proc/PID/stat's start times count."""
-    with open("/proc/uptime") as f:
-        return int(float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK"))
-
-
-def _exited(pid: int) -> bool:
-    """Gone, or a zombie whose threads have all exited too: a killed process's leader turns
-    zombie first, and its files (its listening socket) close only when its last thread exits."""
-    state = proc_state(pid)
-    if state is None or state == "X":
-        return True
-    if state != "Z":
-        return False
-    try:
-        return len(os.listdir(f"/proc/{pid}/task")) <= 1
-    except OSError:
-        return True
-
-
-def proc_state(pid: int) -> str | None:
-    """The state letter in /proc/PID/stat (R, S, T, Z...), None when there is no such process."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-        return raw[raw.rindex(")") + 2]
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and its descendants (a stopped process dies too)."""
-    for p in reversed(tree_pids(pid)):
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _listen_inodes(port: int) -> set[str]:
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f, None)
-                for line in f:
-                    cols = line.split()
-                    if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
-                        inodes.add(cols[9])
-        except OSError:
-            continue
-    return inodes
-
-
-def port_has_listener(port: int) -> bool:
-    """Does a TCP socket listen on `port` (any address)?  Read from /proc, no connection
-    made: a stopped process whose backlog is full still counts."""
-    return bool(_listen_inodes(port))
-
-
-def listeners(port: int) -> list[int]:
-    """PIDs with a TCP socket listening on `port` (any address), read from /proc."""
-    inodes = _listen_inodes(port)
-    if not inodes:
-        return []
-    wanted = {f"socket:[{i}]" for i in inodes}
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            fds = os.scandir(f"/proc/{entry.name}/fd")
-            if any(_readlink(fd.path) in wanted for fd in fds):
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
-def _readlink(path: str) -> str:
-    try:
-        return os.readlink(path)
-    except OSError:
-        return ""
-
-
-def tree_pids(pid: int) -> list[int]:
-    """The process and all its descendants ([] when it is gone)."""
-    import psutil
-    try:
-        p = psutil.Process(pid)
-        return [pid] + [c.pid for c in p.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def reap(pid: int) -> None:
-    """Collect `pid` if it is our own exited child, so its PID is free again
-    (a long-lived restartkit process, such as the demo or bench, is the
-    parent of the engines it started)."""
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -242,7 +56,7 @@ class EngineProcess:
     ready_fd: int | None = None  # read end of the engine's ready signal (see EngineAdapter.signals_ready)
     ready_signalled: bool = False  # the engine said it was ready through ready_fd
     probes: int = 0  # readiness probes sent by wait_ready
-    kept: bool = False  # popen is the engine's keeper (restartkit/keeper.py), which lives as long as it does
+    kept: bool = False  # popen is the engine's keeper (restartkit/process/keeper.py), which lives as long as it does
 
     def to(self, new: ProcState) -> None:
         if new not in ALLOWED[self.state]:
@@ -285,7 +99,7 @@ class EngineProcess:
                 self.to(ProcState.STARTING)
 
         retrying = tenacity.Retrying(
-            stop=tenacity.stop_after_delay(timeout_s),
+            stop=lambda _state: self.seam.clock() - t0 >= timeout_s,  # the seam's clock, not tenacity's
             wait=lambda _: signal_interval_s if self.ready_fd is not None else interval_s,
             retry=tenacity.retry_if_exception_type(NotReady),
             sleep=self._wait_signal,
@@ -348,9 +162,7 @@ class EngineProcess:
                     self.to(ProcState.EXITED)
                 return how
             how = "stopped by SIGTERM" if sig == signal.SIGTERM else f"did not stop within {timeout_s:.0f} s; killed"
-            deadline = self.seam.clock() + wait_s
-            while self.alive() and self.seam.clock() < deadline:
-                self.seam.sleep(0.05)
+            self.seam.wait_until(lambda: not self.alive(), wait_s)
         if self.alive():
             raise RuntimeError(f"engine {self.pid} survived SIGKILL (uninterruptible sleep?)")
         reap(self.pid)

@@ -54,7 +54,7 @@ level = 1
 def run_demo(workdir: str = DEFAULT_WORKDIR, repeat: int = 2, say: Callable[[str], None] = print,
              state_root: str = "") -> int:
     """`state_root`: where the demo service's state dir lives (default: in the workdir)."""
-    from restartkit.bench import render_bench, run_bench
+    from restartkit.commands.bench import render_bench, run_bench
     from restartkit.planner import render_plan
     from restartkit.record import render_record
     from restartkit.restart import plan_for, restart

@@ -34,8 +34,10 @@ from typing import Callable
 
 from restartkit.errors import EXIT_SERVING
 from restartkit.files import write_json_atomic
-from restartkit.guard import guarded, lock_holder
-from restartkit.supervise import ProcState, holder_alive, kill_tree, proc_start_ticks
+from restartkit.commands.reconcile import guarded
+from restartkit.guard.lock import lock_holder
+from restartkit.process.procfs import holder_alive, kill_tree, proc_start_ticks
+from restartkit.process.states import ProcState
 
 EXIT_GAVE_UP = 1  # what systemd's Restart=on-failure and Kubernetes act on
 

@@ -1,10 +1,12 @@
-"""The supervision state machine against a fake seam: no processes, no real sleeping."""
+"""One engine process (restartkit.process.engine) against a fake seam: no processes, no real sleeping."""
 import signal
 
 import pytest
 
 from restartkit.errors import EngineStartError
-from restartkit.supervise import EngineProcess, ProcState, Seam, describe_exit
+from restartkit.process.engine import EngineProcess, describe_exit
+from restartkit.process.seam import Seam
+from restartkit.process.states import ProcState
 
 
 class FakeClock:

@@ -1,5 +1,5 @@
-"""intent.json: what the command holding a service's lock is doing now (see restartkit.guard),
-read back by restartkit.reconcile when that command died."""
+"""intent.json: what the command holding a service's lock is doing now (see restartkit.guard.lock),
+read back by restartkit.commands.reconcile when that command died."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from restartkit.files import write_json_atomic
-from restartkit.supervise import holder_alive, proc_start_ticks
+from restartkit.process.procfs import holder_alive, proc_start_ticks
 
 
 class Intent:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from restartkit import http
-from restartkit.memory import free_memory, tree_memory
+from restartkit.process.memory import free_memory, tree_memory
 
 
 RSS_NOISE_BYTES = 32 << 20

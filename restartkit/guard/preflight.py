@@ -1,0 +1,28 @@
+"""The state dir is tested for writing before anything is touched: a restart that cannot write
+the engine's PID, log or record must not stop a healthy engine first."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from restartkit.errors import UsageError
+
+
+def preflight_writable(directory: Path, what: str = "state dir") -> None:
+    """Create `directory` if needed and prove a file can be written and
+    removed there; a UsageError naming it otherwise (nothing touched yet)."""
+    probe = directory / f".restartkit-write-test.{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"x" * 4096)  # a full disk refuses data, not always the inode
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
+    except OSError as e:
+        raise UsageError(f"the {what} {directory} is not writable ({e.strerror or e}); nothing was touched",
+                         hint="restartkit writes the engine's PID, log and restart records there before it "
+                              "touches the engine: make it writable (read-only mount? `chattr -i`? disk full?) "
+                              "or point --state-dir / [service] state_dir elsewhere") from None
