@@ -163,12 +163,12 @@ def start(policy_path, wait_s, as_json):
         if (proc := svc.current()) is not None:
             emit({"state": "running", "pid": proc.pid}, as_json, f"{svc.policy.name} already runs (PID {proc.pid})")
             return
-        started = svc.start_engine("cold")
+        started = svc.engine.start("cold")
         svc.canary()
     readiness = {"signalled": started.process.ready_signalled, "probes": started.process.probes}
     emit({"state": "serving", "pid": started.process.pid, "ready_s": started.ready_s, "phases": started.engine_phases,
           "readiness": readiness},
-         as_json, f"{svc.policy.name} serving (PID {started.process.pid}) after {started.ready_s:.2f} s; log: {svc.log_path}")
+         as_json, f"{svc.policy.name} serving (PID {started.process.pid}) after {started.ready_s:.2f} s; log: {svc.engine.log_path}")
 
 
 @main.command()
@@ -181,7 +181,7 @@ def stop(policy_path, wait_s, as_json):
     """Stop the service's engine: SIGTERM, wait, SIGKILL."""
     svc = load(policy_path)
     with guarded(svc, "stop", wait_s):
-        how = svc.stop()
+        how = svc.engine.stop()
     emit({"state": "stopped", "how": how}, as_json, f"{svc.policy.name}: {how}")
 
 

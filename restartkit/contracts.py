@@ -9,17 +9,35 @@ the modules that produce or consume it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol
-
-if TYPE_CHECKING:
-    from restartkit.facts import HostFacts
-    from restartkit.policy import Policy
+from typing import Any, Callable, Protocol
 
 # Every strategy by name, fastest first: the order `auto` tries when the policy gives none.
 STRATEGY_NAMES = ("sleep", "criu+ipc", "ipc", "criu", "cold")
 RECOVERY = "cold"  # always available: the recovery path of every other strategy
 REASONS = ("restart", "crash", "config", "code", "weights")  # why restart
 FACT_TIMEOUT_S = 3.0  # per question asked of a running engine while facts are gathered: a hung one costs seconds
+
+
+class HostView(Protocol):
+    """What this machine can do, gathered once per command (the host facts): as the core sees it."""
+    arch: str
+    kernel: str
+    uid: int
+    machine_id: str
+
+    @property
+    def is_root(self) -> bool: ...
+
+
+class PolicyView(Protocol):
+    """One service's policy file, loaded and checked: as the core sees it (sections by name)."""
+    path: str
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def strategies(self) -> list[str]: ...
 
 
 @dataclass
@@ -58,7 +76,7 @@ class Evidence:
 
 @dataclass
 class Facts:
-    host: "HostFacts"
+    host: HostView
     service: ServiceFacts
     reason: str = "restart"  # why restart: one of REASONS
     # what each strategy gathered for itself (its `gather` step), by strategy name
@@ -70,7 +88,7 @@ class Facts:
         return self.strategy.get(name) or {}
 
 
-Predicate = Callable[[Facts, "Policy"], "str | None"]
+Predicate = Callable[[Facts, PolicyView], "str | None"]
 
 
 @dataclass
@@ -142,6 +160,6 @@ class Strategy(Protocol):
 
     def gather(self, service, facts: Facts) -> dict: ...
 
-    def check(self, facts: Facts, policy: "Policy") -> Verdict: ...
+    def check(self, facts: Facts, policy: PolicyView) -> Verdict: ...
 
     def execute(self, service, facts: Facts, plan: Plan) -> Outcome: ...

@@ -1,9 +1,16 @@
-"""Small file helpers, one of each: an atomic owner-only JSON write, the tail of a log."""
+"""Small file helpers, one of each: a private directory, an atomic owner-only JSON write, the tail of a log."""
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+
+
+def ensure_private_dir(path: Path) -> Path:
+    """`path` made if needed, owner-only (0700) either way."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+    return path
 
 
 def write_json_atomic(path: Path, data, indent: int | None = 2) -> None:

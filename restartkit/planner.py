@@ -15,6 +15,8 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 def make_plan(facts: Facts, policy, requested: str, strategies: dict, overlap: bool | None = None) -> Plan:
     """`strategies`: name -> strategy, fastest first (the built-in order).  `overlap`: asked for
     on the command line (None: the policy's [restart] overlap)."""
+    # long: one decision read top to bottom (order, verdicts, ranking, overlap, notes); split, its steps would
+    # pass half the plan between them
     builtin = list(strategies)
     preferred = policy.strategies
     order = list(builtin) if preferred == ["auto"] else [s for s in preferred]

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from restartkit.contracts import STRATEGY_NAMES
+from restartkit.engines import ENGINE_NAMES
 from restartkit.errors import PolicyError
 from restartkit.weightcache.loader import DEFAULTS as LOADER
 
 DEFAULT_STATE_ROOT = "~/.local/state/restartkit"
-ENGINES = ("reference", "vllm", "sglang", "command")
 HEX40 = re.compile(r"[0-9a-f]{40}")
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})")
@@ -148,7 +148,7 @@ def _strategy_list(v):
 SCHEMA: dict[str, dict[str, Key]] = {
     "service": {
         "name": Key(str, None, doc="service name; names the state directory", check=_name),
-        "engine": Key(str, "reference", ENGINES, "engine adapter"),
+        "engine": Key(str, "reference", ENGINE_NAMES, "engine adapter"),
         "model": Key(str, None, doc="checkpoint directory (or hub id for vllm/sglang); ~ and $VARS are expanded",
                      check=_path),
         "revision": Key(str, "", doc="pinned 40-hex revision", check=_revision),

@@ -69,6 +69,7 @@ def restart(service: Service, requested: str = "auto", reason: str = "restart", 
 
 
 def _restart(service: Service, plan: Plan, facts: Facts, requested: str, reason: str, say, probe=None) -> Record:
+    # long: baseline, attempt, proof and recovery in one place, so that every path ends in one record
     rec = Record(service=service.policy.name, policy=service.policy.path, requested=requested,
                  reason=reason, plan=plan.to_dict(), context=evidence.context(facts, service.policy))
     for note in plan.notes:
@@ -108,7 +109,7 @@ def _restart(service: Service, plan: Plan, facts: Facts, requested: str, reason:
         rec.via_recovery = True
         rec.recovery_reason = f"{primary} failed: {outcome.error}"
         say(f"{primary} failed ({outcome.error}); recovering with a cold start")
-        cleared = service.clear_for_recovery([facts.service.pid, *outcome.pids, *service.intent.data.get("pids", [])],
+        cleared = service.engine.clear_for_recovery([facts.service.pid, *outcome.pids, *service.intent.data.get("pids", [])],
                                              since_ticks)
         if cleared:
             entry["killed_before_recovery"] = cleared

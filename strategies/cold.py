@@ -12,6 +12,6 @@ class ColdStrategy(BaseStrategy):
 
     def execute(self, service, facts: Facts, plan: Plan) -> Outcome:
         phases: dict[str, float] = {}
-        started = service.restart_engine(self.name, phases=phases)
+        started = service.engine.restart(self.name, phases=phases)
         return Outcome(self.name, ok=True, phases=phases, engine_phases=started.engine_phases, ready_at=started.ready_at,
                        proof={"path": "cold start from disk", "weight_source": started.weight_source})

@@ -61,7 +61,7 @@ class CriuStrategy(BaseStrategy):
         snap = store.current()
         phases: dict[str, float] = {}
         t0 = time.monotonic()
-        service.stop()
+        service.engine.stop()
         phases["stop"] = round(time.monotonic() - t0, 4)
         try:
             proc, restore_phases, load = restore(service, facts, snap)

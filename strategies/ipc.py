@@ -128,7 +128,7 @@ class IPCStrategy(BaseStrategy):
         if plan.overlap:
             return overlapped_ipc(service, facts, self.name)
         phases: dict[str, float] = {}
-        started = service.restart_engine(self.name, service.adapter.ipc_args(service.policy), phases)
+        started = service.engine.restart(self.name, service.adapter.ipc_args(service.policy), phases)
         if service.adapter.ipc_proof_in_log:
             return self._log_proof(service, started, phases)
         load = (started.stats or {}).get("load") or {}
@@ -152,7 +152,7 @@ class IPCStrategy(BaseStrategy):
 
     def _log_proof(self, service, started, phases) -> Outcome:
         """vLLM says hit or fallback only in its log: read every rank's lines since this start."""
-        with open(service.log_path, "rb") as f:
+        with open(service.engine.log_path, "rb") as f:
             f.seek(started.log_offset)
             text = f.read().decode(errors="replace")
         verdict = service.adapter.ipc_log_verdict(service.policy, text)

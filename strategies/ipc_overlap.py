@@ -66,7 +66,7 @@ def _old_serves(out: Outcome, error: str) -> Outcome:
 def _took_over(service, new, how: str, new_stats: dict, out: Outcome, t0: float) -> Outcome:
     """The new engine serves on the public port and the old one is gone: it is the service's engine now."""
     new.to(ProcState.READY)
-    service.mark_ready(new, how)
+    service.engine.mark_ready(new, how)
     out.engine_phases = new_stats.get("phases", {})
     out.phases["start_to_ready"] = round(time.monotonic() - t0, 4)
     out.ok = True
@@ -78,7 +78,7 @@ def _spawn_prepared(service, name: str):
     status_path = service.state_dir / "overlap-status.json"
     status_path.unlink(missing_ok=True)
     args = service.adapter.ipc_args(service.policy) + ["--prepare-only", "--status-file", str(status_path)]
-    new, _ = service.spawn(name, args)
+    new, _ = service.engine.spawn(name, args)
     new.close_ready_fd()  # readiness comes through the status file here
     return new, status_path
 
@@ -144,7 +144,7 @@ def overlapped_ipc(service, facts, strategy_name: str = "ipc") -> Outcome:
         new.stop(timeout_s=5)
         return _old_serves(out, f"the new engine failed before the old one was stopped: {e}")
     t2 = time.monotonic()
-    how = service.stop()  # SIGTERM: the old engine finishes what it is answering, closes its listener
+    how = service.engine.stop()  # SIGTERM: the old engine finishes what it is answering, closes its listener
     phases["stop_old"] = round(time.monotonic() - t2, 4)
     out.proof["old_stop"] = how
     return _took_over(service, new, "ipc-overlap", new_stats, out, t0)
@@ -169,7 +169,7 @@ def _prestart(service, old, out: Outcome) -> Outcome:
         return _old_serves(out, f"the new engine failed before the old one was stopped: {e}")
     phases["prepare"] = round(time.monotonic() - t0, 4)
     t1 = time.monotonic()
-    out.proof["old_stop"] = service.stop()  # drained, exited: its KV cache is free
+    out.proof["old_stop"] = service.engine.stop()  # drained, exited: its KV cache is free
     phases["stop_old"] = round(time.monotonic() - t1, 4)
     try:
         private, new_stats = _activate(service, new, status_path, out, old)

@@ -71,3 +71,45 @@ def prom_sample(text: str, name: str, **labels) -> float | None:
             if s.name == name and s.labels == labels:
                 return s.value
     return None
+
+
+# ---- fixtures several files share (their helpers: tests/helpers.py) ---------------------------
+@pytest.fixture
+def sockdir(tmp_path):
+    """A private socket dir for the weight cache."""
+    d = tmp_path / "sockets"
+    d.mkdir(mode=0o700)
+    return d
+
+
+@pytest.fixture
+def preloads():
+    """Weight-cache launchers started by a test; all stopped at the end."""
+    import signal
+    procs = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture
+def served(make_policy, service_cleanup):
+    """Start a reference engine under a policy with a [criu] section; returns its path."""
+    def make(extra='pid_wait_s = 5.0\n'):
+        policy = make_policy(extra='\n[criu]\n' + extra)
+        service_cleanup(policy)
+        assert run_cli("start", "--policy", policy).returncode == 0
+        return policy
+    return make
+
+
+@pytest.fixture(scope="module")
+def vllm_model(tmp_path_factory):
+    """vLLM's CPU attention needs head_dim >= 32: the `small` preset (head_dim 64)."""
+    from restartkit.reference.checkpoint import write_checkpoint
+    return write_checkpoint(tmp_path_factory.mktemp("models") / "small", "small")

@@ -1,7 +1,9 @@
 """The house's rules, checked over the source (ast), not by reading: data flows one way
 (policy -> facts -> plan -> execute -> record), nothing imports the CLI, strategies are
 looked up through the registry only by the restart flow, no import circle between files,
-and state never travels through the process's own environment."""
+the floors (process/, guard/) import nothing above them, the core names no other module,
+functions fit on a screen, no test file imports another, and state never travels through
+the process's own environment."""
 from __future__ import annotations
 
 import ast
@@ -136,3 +138,81 @@ def test_the_cli_offers_every_model_preset():
     from restartkit.cli import MODEL_PRESETS
     from restartkit.reference.checkpoint import PRESETS
     assert MODEL_PRESETS == list(PRESETS)
+
+
+def test_the_floors_import_nothing_above_them():
+    """process/ (one engine process) and guard/ (lock, preflight, intent) are what the rest stands
+    on: they import no command and no strategy; guard imports only process/ and the small helpers."""
+    g = graph()
+    above = ("restartkit.commands", STRATEGIES)
+    for floor in ("restartkit.process", "restartkit.guard"):
+        bad = {m: sorted(d for d in deps if d.startswith(above)) for m, deps in g.items()
+               if m.startswith(floor) and any(d.startswith(above) for d in deps)}
+        assert bad == {}, bad
+    helpers = ("restartkit.process", "restartkit.guard", "restartkit.errors", "restartkit.files")
+    bad = {m: sorted(d for d in deps if not d.startswith(helpers)) for m, deps in g.items()
+           if m.startswith("restartkit.guard") and any(not d.startswith(helpers) for d in deps)}
+    assert bad == {}, bad
+
+
+def test_the_core_names_no_other_module_even_for_type_checking():
+    tree = ast.parse((ROOT / "restartkit" / "contracts.py").read_text())
+    named = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+             and "restartkit" in ast.unparse(n)]
+    assert named == []
+
+
+def test_the_top_level_holds_the_restart_flow_only():
+    """The restart flow and the small helpers at the top; everything else in a folder by role."""
+    flat = sorted(p.name for p in (ROOT / "restartkit").glob("*.py"))
+    assert len(flat) <= 16, flat
+
+
+FUNCTION_MAX = 80  # lines; over LONG, a comment starting "# long:" says why
+LONG = 60
+
+
+def test_functions_fit_on_a_screen():
+    too_long, unexplained = [], []
+    for name, path in _modules().items():
+        text = path.read_text()
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            n = node.end_lineno - node.lineno + 1
+            body = lines[node.lineno - 1:node.end_lineno]
+            if n > FUNCTION_MAX:
+                too_long.append(f"{name}.{node.name}: {n} lines")
+            elif n > LONG and not any(line.strip().startswith("# long:") for line in body):
+                unexplained.append(f"{name}.{node.name}: {n} lines")
+    assert too_long == [] and unexplained == [], (too_long, unexplained)
+
+
+def test_no_test_file_imports_another():
+    """Shared fixtures live in conftest.py, shared steps in tests/helpers.py."""
+    offenders = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests.test_"):
+                offenders.append(f"{path.name} imports {node.module}")
+    assert offenders == []
+
+
+def test_one_registry_of_strategies_per_command():
+    from restartkit.strategies import all_strategies, get_strategy
+    from restartkit.errors import UsageError
+    assert all_strategies() is all_strategies()  # built once; strategies hold no state
+    import pytest
+    with pytest.raises(UsageError, match="not supported.*sleep, criu\\+ipc, ipc, criu, cold"):
+        get_strategy("warp")
+
+
+def test_engine_adapters_come_from_one_registry():
+    from restartkit.engines import ENGINE_NAMES, get_adapter
+    from restartkit.policy import SCHEMA
+    assert SCHEMA["service"]["engine"].allowed == ENGINE_NAMES  # the policy names no engine of its own
+    assert [type(get_adapter(n)[0]).__name__ for n in ENGINE_NAMES] == [
+        "ReferenceAdapter", "VLLMAdapter", "SGLangAdapter", "CommandAdapter"]
+    adapter, why = get_adapter("tgi")
+    assert adapter is None and "not supported (choices: reference, vllm, sglang, command)" in why

@@ -221,7 +221,7 @@ def test_an_engine_that_ignores_sigterm_is_killed_and_replaced(make_policy, serv
     stubborn = subprocess.Popen([sys.executable, "-c", STUBBORN, str(port)], stdout=subprocess.PIPE, text=True)
     try:
         assert stubborn.stdout.readline().strip() == "up"
-        Service(load_policy(policy)).adopt(stubborn.pid, "cold")  # restartkit takes it for its engine
+        Service(load_policy(policy)).engine.adopt(stubborn.pid, "cold")  # restartkit takes it for its engine
         r = run_cli("restart", "--policy", policy, "--strategy", "cold", "--json")
         assert r.returncode == 0, r.stdout + r.stderr
         rec = json.loads(r.stdout)

@@ -10,35 +10,11 @@ import time
 
 import pytest
 
-from restartkit.facts import criu_facts
 from tests.conftest import ROOT, run_cli
+from tests.helpers import CRIU_MARKS, create, snapshots_dir
 
-CRIU = criu_facts()
-pytestmark = [
-    pytest.mark.slow, pytest.mark.root,
-    pytest.mark.skipif(os.getuid() != 0, reason="CRIU needs root"),
-    pytest.mark.skipif(not CRIU.check_ok, reason=f"no working CRIU here ({CRIU.source}): scripts/install-criu"),
-]
+pytestmark = CRIU_MARKS
 
-
-@pytest.fixture
-def served(make_policy, service_cleanup):
-    def make(extra='pid_wait_s = 5.0\n'):
-        policy = make_policy(extra='\n[criu]\n' + extra)
-        service_cleanup(policy)
-        assert run_cli("start", "--policy", policy).returncode == 0
-        return policy
-    return make
-
-
-def snapshots_dir(policy):
-    return policy.parent / "state" / "svc" / "snapshots"
-
-
-def create(policy, *flags):
-    r = run_cli("snapshot", "create", "--policy", policy, "--json", *flags)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
 
 
 def restart(policy, *flags):
@@ -164,24 +140,3 @@ def take_pid(pid: int) -> subprocess.Popen:
         p.kill()
         p.wait()
     pytest.skip(f"could not start a process under PID {pid}")
-
-
-def prom_value(path, name) -> float:
-    line = next(x for x in path.read_text().splitlines() if x.startswith(name + "{"))
-    return float(line.rsplit(" ", 1)[1])
-
-
-def engines_on(policy) -> list[int]:
-    """PIDs of reference engines serving this policy's port (in any PID namespace: as this one sees them)."""
-    port = policy.read_text().split("port = ")[1].split()[0]
-    out = []
-    for d in os.listdir("/proc"):
-        try:
-            cmd = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if b"restartkit.reference.server" in cmd and port.encode() in cmd:
-            out.append(int(d))
-    return out
-
-

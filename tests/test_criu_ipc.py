@@ -11,8 +11,7 @@ import time
 import pytest
 
 from tests.conftest import RESTARTKIT, ROOT, run_cli
-from tests.test_criu import CRIU, engines_on
-from tests.test_ipc import ipc_policy, preloads, sockdir, start_preload  # noqa: F401  (fixtures)
+from tests.helpers import CRIU, engines_on, ipc_policy, start_preload
 
 pytestmark = [
     pytest.mark.slow, pytest.mark.root,

@@ -16,7 +16,7 @@ import pytest
 
 from restartkit.facts import criu_facts
 from tests.conftest import ROOT, RESTARTKIT, run_cli
-from tests.test_criu import create, engines_on, snapshots_dir
+from tests.helpers import create, engines_on, snapshots_dir
 
 CRIU = criu_facts()
 pytestmark = pytest.mark.slow

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import re
-import textwrap
 
 import pytest
 from hypothesis import HealthCheck, given, seed, settings

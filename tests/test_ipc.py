@@ -14,44 +14,9 @@ from pathlib import Path
 
 from restartkit.reference.checkpoint import write_checkpoint
 from tests.conftest import ROOT, prom_sample, run_cli
+from tests.helpers import ipc_policy, start_preload
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def sockdir(tmp_path):
-    d = tmp_path / "sockets"
-    d.mkdir(mode=0o700)
-    return d
-
-
-@pytest.fixture
-def preloads():
-    """Launchers started by a test; all stopped at the end."""
-    procs = []
-    yield procs
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
-def ipc_policy(make_policy, sockdir, fallback=True, name="svc", service_extra="", ipc_extra=""):
-    return make_policy(name=name, service_extra=service_extra, extra=(
-        f'\n[ipc]\nsocket_dir = "{sockdir}"\nfallback = {"true" if fallback else "false"}\n'
-        f'state_timeout_s = 3.0\nconnect_timeout_s = 2.0\n{ipc_extra}'))
-
-
-def start_preload(policy, preloads, *flags) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-m", "restartkit.cli", "preload", "--policy", str(policy), *flags],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    preloads.append(p)
-    r = run_cli("preload", "--policy", policy, *flags, "--wait-ready", "--startup-timeout", "60")
-    assert r.returncode == 0, r.stdout + r.stderr
-    return p
 
 
 def restart(policy, *args):
@@ -133,9 +98,9 @@ def test_fallback_off_fails_the_start_naming_the_field(make_policy, sockdir, pre
     from restartkit.policy import load_policy
     from restartkit.service import Service
     svc = Service(load_policy(policy))
-    svc.stop()
+    svc.engine.stop()
     with pytest.raises(EngineStartError) as e:
-        svc.start_engine("ipc", extra_args=svc.adapter.ipc_args(svc.policy))
+        svc.engine.start("ipc", extra_args=svc.adapter.ipc_args(svc.policy))
     assert "quantization differs" in e.value.log_tail and "fallback is off" in e.value.log_tail
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from restartkit.facts import criu_facts
 from tests.conftest import run_cli
-from tests.test_ipc import ipc_policy, preloads, sockdir, start_preload  # noqa: F401 (fixtures)
+from tests.helpers import ipc_policy, start_preload
 
 pytestmark = pytest.mark.slow
 CRIU = criu_facts()

@@ -1,18 +1,10 @@
 """The planner is pure: facts and policy built here, no processes, no sleeping."""
-from restartkit.facts import CriuFacts, HostFacts
+from restartkit.facts import CriuFacts
 from restartkit.planner import make_plan, render_plan
 from restartkit.policy import parse_policy
 from restartkit.strategies import all_strategies
 from restartkit.contracts import Facts, ServiceFacts
-from restartkit.strategies.base import BaseStrategy
-
-
-def host(**kw) -> HostFacts:
-    base = dict(arch="x86_64", kernel="6.1", uid=0, user="root", passwordless_sudo=True, machine_id="m",
-                python="3.11", cpu_count=2, mem_total_bytes=1 << 34, mem_available_bytes=1 << 33,
-                io_uring_disabled=2, criu=CriuFacts(path="/c/criu", source="PATH", version="4.2.1", check_ok=True))
-    base.update(kw)
-    return HostFacts(**base)
+from tests.helpers import Always, host
 
 
 def facts(reason="restart", **kw) -> Facts:
@@ -21,12 +13,6 @@ def facts(reason="restart", **kw) -> Facts:
 
 def policy(**service):
     return parse_policy({"service": {"name": "s", "model": "/m", **service}})
-
-
-class Always(BaseStrategy):
-    def __init__(self, name, ok=True):
-        self.name = name
-        self.prerequisites = [] if ok else [lambda f, p: f"{name} says no", lambda f, p: f"{name} says no twice"]
 
 
 def test_auto_runs_the_first_eligible_in_the_default_order():

@@ -1,9 +1,10 @@
-"""`auto` ranks by evidence: pure tests over synthetic histories and evidence (no processes)."""
+"""`auto` ranks by evidence: pure tests over synthetic histories and evidence (no processes; the real
+half, with engines, CRIU and bench: test_ranking_measured.py)."""
 from restartkit.contracts import Evidence, Facts, ServiceFacts
 from restartkit.evidence import context, summarize
 from restartkit.planner import make_plan, render_plan
 from restartkit.policy import parse_policy
-from tests.test_planner import Always, host
+from tests.helpers import Always, host
 
 NAMES = ("sleep", "ipc", "criu", "cold")
 
@@ -138,58 +139,6 @@ def test_context_names_host_engine_weights_and_layout():
 
 
 # ---- end to end, real processes: history makes auto pick what the fixed order would not ----------
-
-import json  # noqa: E402
-import os  # noqa: E402
-
-import pytest  # noqa: E402
-
-from restartkit.facts import criu_facts  # noqa: E402
-from tests.conftest import run_cli  # noqa: E402
-
-CRIU = criu_facts()
-
-
-def slow_criu(tmp_path, seconds: float):
-    """The real CRIU, `seconds` slower at every restore (a slow disk, say)."""
-    w = tmp_path / "slow-criu"
-    w.write_text(f'#!/bin/sh\n[ "$1" = restore ] && sleep {seconds}\nexec {CRIU.path} "$@"\n')
-    w.chmod(0o755)
-    return w
-
-
-@pytest.mark.slow
-@pytest.mark.root
-@pytest.mark.skipif(os.getuid() != 0 or not CRIU.check_ok, reason="needs root and a working CRIU")
-def test_auto_picks_cold_once_criu_was_measured_slower(make_policy, service_cleanup, tmp_path):
-    policy = make_policy(extra=f'\n[criu]\ncriu_path = "{slow_criu(tmp_path, 4)}"\npid_wait_s = 5.0\n')
-    service_cleanup(policy)
-    assert run_cli("start", "--policy", policy).returncode == 0
-    r = run_cli("snapshot", "create", "--policy", policy)
-    assert r.returncode == 0, r.stderr
-    before = json.loads(run_cli("plan", "--policy", policy, "--json").stdout)
-    assert before["attempt"] == "criu", before  # no history: the estimates (or the built-in order) put criu first
-    r = run_cli("bench", "--policy", policy, "--strategies", "criu,cold", "--repeat", "2", "--json", timeout=900)
-    assert r.returncode == 0, r.stderr
-    rows = {row["strategy"]: row for row in json.loads(r.stdout)["rows"]}
-    criu_s, cold_s = rows["criu"]["time_to_ready_s"]["median"], rows["cold"]["time_to_ready_s"]["median"]
-    assert rows["criu"]["clean_runs"] == 2 and criu_s > cold_s, rows
-    after = json.loads(run_cli("plan", "--policy", policy, "--json").stdout)
-    assert after["attempt"] == "cold" and after["ranked_by"] == "time_to_ready", after
-    exp = {s["strategy"]: s["expected"] for s in after["strategies"]}
-    assert exp["criu"]["source"] == exp["cold"]["source"] == "measured"
-    assert abs(exp["criu"]["seconds"] - criu_s) < 0.002 and abs(exp["cold"]["seconds"] - cold_s) < 0.002
-    assert after["order"].index("cold") < after["order"].index("criu")
-    text = run_cli("plan", "--policy", policy).stdout
-    assert f"auto chose cold: ready in {exp['cold']['seconds']:.2f} s (measured" in text, text
-    assert f"criu {exp['criu']['seconds']:.2f} s" in text, text
-    rec = json.loads(run_cli("restart", "--policy", policy, "--json").stdout)
-    assert rec["served_by"] == "cold" and not rec["via_recovery"] and rec["proof"]["canary_identical"] is True
-    assert rec["plan"]["ranked_by"] == "time_to_ready" and rec["context"]["engine"] == "reference"
-    # the operator's fixed order is kept
-    policy.write_text(policy.read_text().replace("[restart]\n", '[restart]\nrank = "order"\n'))
-    assert json.loads(run_cli("plan", "--policy", policy, "--json").stdout)["attempt"] == "criu"
-
 
 def test_estimates_say_what_they_are_made_of(tmp_path):
     from restartkit.evidence import _estimate

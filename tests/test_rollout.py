@@ -7,8 +7,7 @@ import pytest
 
 from restartkit.engines.vllm import VLLMAdapter
 from tests.conftest import run_cli
-from tests.test_ipc import ipc_policy, sockdir  # noqa: F401  (fixture)
-from tests.test_vllm import _vllm_policy, needs_vllm, vllm_model  # noqa: F401  (fixture)
+from tests.helpers import ipc_policy, needs_vllm, vllm_policy_for
 
 
 def test_rollout_starts_the_cache_and_proves_it(make_policy, sockdir, service_cleanup):
@@ -52,7 +51,7 @@ def test_rollout_says_at_once_when_vllm_preload_cannot_start(make_policy, vllm_m
     """The installed vLLM (the CPU build) has no `preload`: rollout must say so within seconds,
     with vLLM's own words, not wait out the cache's start-up timeout."""
     import time
-    policy = _vllm_policy(make_policy, vllm_model, service_cleanup)
+    policy = vllm_policy_for(make_policy, vllm_model, service_cleanup)
     policy.write_text(policy.read_text() + "\n[ipc]\nhealth_port = 18099\nstartup_timeout_s = 600\n")
     t0 = time.monotonic()
     r = run_cli("rollout", "--policy", policy, timeout=300)

@@ -4,13 +4,10 @@ weight-cache socket, the `openai` client racing a starting engine, and the
 modes of what a snapshot and a log hold."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 

@@ -5,7 +5,9 @@ import subprocess
 import sys
 
 from tests.conftest import ROOT, run_cli
-from tests.test_criu import CRIU, create, prom_value, pytestmark, served  # noqa: F401  (fixture, marks)
+from tests.helpers import CRIU, CRIU_MARKS, create, prom_value
+
+pytestmark = CRIU_MARKS
 
 
 def test_two_refreshes_at_once(served):

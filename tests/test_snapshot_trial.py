@@ -3,7 +3,9 @@ serving engine, answering the canary, then gone; the engine never touched."""
 import json
 
 from tests.conftest import run_cli
-from tests.test_criu import create, engines_on, pytestmark, served, snapshots_dir  # noqa: F401  (fixture, marks)
+from tests.helpers import CRIU_MARKS, create, engines_on, snapshots_dir
+
+pytestmark = CRIU_MARKS
 
 
 def test_a_test_restore_runs_beside_the_serving_engine(served):

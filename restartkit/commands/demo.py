@@ -73,8 +73,8 @@ def run_demo(workdir: str = DEFAULT_WORKDIR, repeat: int = 2, say: Callable[[str
     svc = Service.from_policy_file(policy_path, state_root or str(root / "state"))
 
     say(f"== starting the reference engine (policy {policy_path})")
-    svc.stop()
-    started = svc.start_engine("cold")
+    svc.engine.stop()
+    started = svc.engine.start("cold")
     svc.canary()
     say(f"serving on {svc.adapter.base_url(svc.policy)} (PID {started.process.pid}) after {started.ready_s:.2f} s")
 
@@ -102,7 +102,7 @@ def run_demo(workdir: str = DEFAULT_WORKDIR, repeat: int = 2, say: Callable[[str
     say("(the demo's model is small: its weights load from disk in milliseconds, so ipc and criu have little to save "
         "here; with 16 GB of weights on an H200, one run measured ipc ready in 4.3 s against 7.2-7.5 s cold: "
         "docs/BENCHMARKS.md)")
-    svc.stop()
+    svc.engine.stop()
     stop_weight_cache(svc.policy)
     say(f"\nthe demo engine and its weight cache were stopped; start again with: restartkit start --policy {policy_path}")
     say(f"records: {svc.state_dir / 'history.jsonl'}; metrics: {svc.state_dir / 'metrics.prom'}")

@@ -17,7 +17,6 @@ import contextlib
 import os
 import shutil
 import signal
-import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -46,7 +45,7 @@ def reconcile(service, say: Callable[[str], None], recover: bool = True) -> dict
         "reconciling")
     adopted, stopped = None, []
     for pid in candidates(service, stale):
-        _continue_if_stopped(pid, say)
+        _continue_if_stopped(pid, say, service.seam)
         if adopted is None and _try_adopt(service, pid, stale, say):
             adopted = pid
             continue
@@ -57,12 +56,12 @@ def reconcile(service, say: Callable[[str], None], recover: bool = True) -> dict
         say(f"{service.policy.name}: stopped {', '.join(map(str, stopped))} (left by the interrupted command, "
             "not serving or not passing the canary)")
     if adopted is None:
-        service.pidfile.unlink(missing_ok=True)
+        service.engine.pidfile.unlink(missing_ok=True)
     _discard_partial_images(stale, say)
     result = {"command": command, "adopted": adopted, "stopped": stopped, "started": None}
     if adopted is None and recover and command in SERVING_COMMANDS and stale.get("was_serving", True):
         say(f"{service.policy.name}: nothing serves; recovering with a cold start")
-        started = service.start_engine("cold")
+        started = service.engine.start("cold")
         service.canary()
         result["started"] = started.process.pid
     intent.clear()
@@ -84,7 +83,7 @@ def candidates(service, stale: dict) -> list[int]:
     return out
 
 
-def _continue_if_stopped(pid: int, say) -> None:
+def _continue_if_stopped(pid: int, say, seam) -> None:
     """A CRIU killed while it held the tree frozen (a dump) leaves it stopped: let it run again."""
     stopped = [p for p in tree_pids(pid) if proc_state(p) in ("T", "t")]
     for p in stopped:
@@ -94,7 +93,7 @@ def _continue_if_stopped(pid: int, say) -> None:
             pass
     if stopped:
         say(f"PID {pid}: {len(stopped)} stopped process(es) continued (left frozen by an interrupted CRIU)")
-        time.sleep(0.2)
+        seam.wait_until(lambda: all(proc_state(p) not in ("T", "t") for p in stopped), 1.0)
 
 
 def _try_adopt(service, pid: int, stale: dict, say) -> bool:
@@ -115,8 +114,8 @@ def _try_adopt(service, pid: int, stale: dict, say) -> bool:
     if baseline is not None and baseline != after:
         say(f"{policy.name}: PID {pid} serves a different canary; not adopted")
         return False
-    proc = EngineProcess(pid=pid, start_ticks=proc_start_ticks(pid), log_path=service.log_path, seam=service.seam)
-    service.mark_ready(proc, stale.get("strategy") or "adopted")
+    proc = EngineProcess(pid=pid, start_ticks=proc_start_ticks(pid), log_path=service.engine.log_path, seam=service.seam)
+    service.engine.mark_ready(proc, stale.get("strategy") or "adopted")
     say(f"{policy.name}: adopted PID {pid}: it serves and its canary is identical")
     return True
 

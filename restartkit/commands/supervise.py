@@ -154,16 +154,18 @@ class Supervisor:
             misses, last_completion = 0, time.monotonic()
 
     def _wait(self, pidfd: int, timeout_s: float) -> bool:
-        """True when the engine exited within `timeout_s`; returns early on a signal."""
-        end = time.monotonic() + timeout_s
-        while not self.signals:
-            left = end - time.monotonic()
-            if left <= 0:
-                return False
-            ready, _, _ = select.select([pidfd], [], [], min(left, 0.25))
-            if ready:
+        """True when the engine exited within `timeout_s`; returns early on a signal.  Each look
+        blocks on the pidfd itself (up to 0.25 s), so an exit is seen the moment it happens."""
+        exited = []
+
+        def done() -> bool:
+            if self.signals:
                 return True
-        return False
+            if select.select([pidfd], [], [], 0.25)[0]:
+                exited.append(True)
+            return bool(exited)
+        self.service.seam.wait_until(done, timeout_s, interval_s=0)
+        return bool(exited)
 
     # ---- probes --------------------------------------------------------------------
     def _busy(self, proc) -> bool:
@@ -189,9 +191,9 @@ class Supervisor:
                 self.say(f"{svc.policy.name}: adopted the serving engine (PID {proc.pid})")
             else:
                 if proc is not None:
-                    svc.stop()
+                    svc.engine.stop()
                 try:
-                    started = svc.start_engine("cold")
+                    started = svc.engine.start("cold")
                     svc.canary()
                 except Exception as e:
                     self.say(f"{svc.policy.name}: the engine did not start: {getattr(e, 'message', None) or e}")
@@ -267,7 +269,7 @@ class Supervisor:
         self.notify.send("STOPPING=1", f"STATUS=stopping ({why})")
         self.say(f"{svc.policy.name}: {why}: stopping the engine")
         with guarded(svc, "supervise stop", self._lock_wait(), self.say, defer_signals=False):
-            how = svc.stop()
+            how = svc.engine.stop()
         self.say(f"{svc.policy.name}: {how}")
         return EXIT_SERVING
 
@@ -275,7 +277,7 @@ class Supervisor:
         svc = self.service
         try:
             with guarded(svc, "supervise stop", self._lock_wait(), self.say, defer_signals=False):
-                svc.stop()
+                svc.engine.stop()
         except Exception as e:
             self.say(f"{svc.policy.name}: could not stop the engine: {getattr(e, 'message', None) or e}")
         line = f"restartkit supervise: giving up on {svc.policy.name}: {why}; the engine is left stopped"
@@ -285,14 +287,11 @@ class Supervisor:
 
     def _sleep(self, seconds: float) -> bool:
         """Sleep, or stop early on SIGTERM/SIGINT (True); a SIGHUP during a backoff waits its turn."""
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            if any(s != signal.SIGHUP for s in self.signals):
-                while self.signals and self.signals[0] == signal.SIGHUP:
-                    self.signals.popleft()
-                return True
-            time.sleep(min(0.1, end - time.monotonic()))
-        return False
+        if not self.service.seam.wait_until(lambda: any(s != signal.SIGHUP for s in self.signals), seconds, 0.1):
+            return False
+        while self.signals and self.signals[0] == signal.SIGHUP:
+            self.signals.popleft()
+        return True
 
     def _lock_wait(self) -> float:
         r = self.service.policy.restart

@@ -93,6 +93,7 @@ def serve_prepared(args: argparse.Namespace) -> int:
     activates, waits for SIGUSR2 (the supervisor has checked it on the
     private port), and only then binds the public port beside the old engine
     (SO_REUSEPORT).  Stop signals work at every step."""
+    # long: the hand-over's steps in the order they happen, each with its deadline and its stop check
     state = State(args.served_model_name or os.path.basename(os.path.normpath(args.model)))
     state.prepared_mode = True
     private = EngineServer(("127.0.0.1", 0), state)

@@ -16,6 +16,7 @@ import os
 import platform
 import time
 from importlib import metadata
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -127,14 +128,33 @@ def snapshot_kind(service, facts) -> str:
 
 def create(service, facts, leave_running: bool = True, progress: Callable[[str], None] = lambda _m: None,
            make_current: bool = True) -> Snapshot:
+    """preflight (nothing touched) -> canary -> dump (the engine put back whatever fails) -> manifest."""
     proc = service.current()
     if proc is None or not service.is_ready():
         raise StrategyError(f"{service.policy.name} is not serving", hint=f"start it first: restartkit start --policy {service.policy.path}")
-    crit = Criu(facts.host.criu.path)
-    store = store_for(service)
     pids = tree_pids(proc.pid)
     kind = snapshot_kind(service, facts)
-    weightless = kind == "weightless"
+    _preflight(service, facts, proc.pid, pids, kind == "weightless", progress)
+    progress("taking the canary")
+    canary = service.canary()
+    ident = host_identity(service, facts)
+    store = store_for(service)
+    images = store.new_dir()
+    service.intent.update(images=str(images))  # a create killed halfway leaves it: the next command removes it
+    crit = Criu(facts.host.criu.path)
+    dump = _dump(service, crit, proc.pid, pids, images, kind == "weightless", leave_running, progress)
+    if not leave_running:
+        service.engine.pidfile.unlink(missing_ok=True)
+    manifest = _manifest(service, facts, kind, proc.pid, pids, ident, canary, crit, dump, images, leave_running)
+    private_files(images)
+    snap = store.commit(images, manifest, make_current)
+    store.prune(service.policy.criu["keep"])
+    progress(f"snapshot {snap.id}: {manifest['image_bytes'] / 1e6:.1f} MB in {dump.phases['criu_dump']:.2f} s")
+    return snap
+
+
+def _preflight(service, facts, pid: int, pids: list[int], weightless: bool, progress) -> None:
+    """Every reason the engine cannot be snapshotted, before anything is touched."""
     if weightless and not service.adapter.weightless_snapshots:
         raise UsageError(f"the {service.adapter.name} adapter cannot release its weights before a dump, so a "
                          "snapshot without the weights cannot be taken",
@@ -146,32 +166,40 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
                                  f"{service.policy.path} --strategy ipc), or set [criu] weights = 'auto'")
     if blockers := dump_blockers(pids, weightless):
         raise StrategyError("the engine cannot be dumped: " + "; ".join(blockers))
-    if secrets := secret_names(proc.pid):
+    if secrets := secret_names(pid):
         what = ", ".join(secrets)
         if service.policy.criu["refuse_secrets"]:
             raise UsageError(f"the engine's environment or arguments carry {what}: a snapshot image would hold it in clear",
                              hint="start the engine without it, or set [criu] refuse_secrets = false to snapshot anyway")
         progress(f"warning: the engine's environment or arguments carry {what}; the snapshot image holds it "
                  "(files 0600 in a 0700 directory; [criu] refuse_secrets = true refuses instead)")
-    progress("taking the canary")
-    canary = service.canary()
-    ident = host_identity(service, facts)
+
+
+@dataclass
+class _Dumped:
+    gpu: bool
+    phases: dict[str, float] = field(default_factory=dict)
+    shrunk: dict = field(default_factory=dict)  # what the engine freed before the dump
+    reattached: dict = field(default_factory=dict)  # what it said when it took its weights back (left running)
+
+
+def _dump(service, crit: Criu, pid: int, pids: list[int], images: Path, weightless: bool, leave_running: bool,
+          progress) -> _Dumped:
+    """KV cache (and weights: weights-less) released, device memory to the host, CRIU dump, and the
+    engine put back when it stays running.  Whatever fails, the engine is put back and the images go.
+    The command's guard defers SIGTERM/SIGHUP/SIGINT until the engine is put back; a SIGKILL leaves
+    the intent saying the KV cache was dropped, and the next command gives it back."""
     adapter, pol = service.adapter, service.policy
-    gpu = any(uses_cuda(p) for p in pids)
-    cuda = CudaCheckpoint() if gpu else None
-    images = store.new_dir()
-    service.intent.update(images=str(images))  # a create killed halfway leaves it: the next command removes it
-    phases: dict[str, float] = {}
-    # The command's guard defers SIGTERM/SIGHUP/SIGINT until the engine is put back; a SIGKILL
-    # leaves the intent saying the KV cache was dropped, and the next command gives it back.
+    out = _Dumped(gpu=any(uses_cuda(p) for p in pids))
+    cuda = CudaCheckpoint() if out.gpu else None
     checkpointed = kv_dropped = dumped = False
     try:
         check_interrupted(service, "the snapshot was not taken; the engine keeps serving")
         t = time.monotonic()
         service.intent.update(kv_dropped="weights" if weightless else True)
-        shrunk = adapter.before_snapshot(pol, weights=weightless)
+        out.shrunk = adapter.before_snapshot(pol, weights=weightless)
         kv_dropped = True
-        phases["release_weights" if weightless else "drop_kv_cache"] = round(time.monotonic() - t, 3)
+        out.phases["release_weights" if weightless else "drop_kv_cache"] = round(time.monotonic() - t, 3)
         if weightless and (held := arena_holders(pids)):
             raise StrategyError(f"PID {held[0]} still maps the weight-cache arena after releasing its weights: "
                                 "the snapshot would hold them", hint="report this: the engine kept a reference")
@@ -182,13 +210,13 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
                 cuda.lock(p)
                 cuda.checkpoint(p)
             checkpointed = True
-            phases["cuda_checkpoint"] = round(time.monotonic() - t, 3)
+            out.phases["cuda_checkpoint"] = round(time.monotonic() - t, 3)
         check_interrupted(service, "the snapshot was not taken; the engine keeps serving")
-        progress(f"dumping PID {proc.pid} ({len(pids)} processes) with CRIU into {images}")
+        progress(f"dumping PID {pid} ({len(pids)} processes) with CRIU into {images}")
         t = time.monotonic()
-        crit.dump(proc.pid, images, leave_running=leave_running, shm_files=shm_files(pids))
+        crit.dump(pid, images, leave_running=leave_running, shm_files=shm_files(pids))
         dumped = True
-        phases["criu_dump"] = round(time.monotonic() - t, 3)
+        out.phases["criu_dump"] = round(time.monotonic() - t, 3)
     except BaseException:
         if not dumped or leave_running:
             _put_back(service, pids, cuda if checkpointed else None, kv_dropped, weightless)
@@ -197,32 +225,33 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
     if leave_running:
         t = time.monotonic()
         try:
-            reattached = _put_back(service, pids, cuda if checkpointed else None, kv_dropped, weightless)
+            out.reattached = _put_back(service, pids, cuda if checkpointed else None, kv_dropped, weightless)
         except Exception as e:
             _discard(images, service)
             raise StrategyError(f"the engine did not come back after the dump: {e}",
                                 hint=f"check it with `restartkit status --policy {service.policy.path}`; "
                                      "the previous snapshot stays current") from None
-        phases["resume"] = round(time.monotonic() - t, 3)
-    else:
-        service.pidfile.unlink(missing_ok=True)
+        out.phases["resume"] = round(time.monotonic() - t, 3)
+    return out
+
+
+def _manifest(service, facts, kind: str, pid: int, pids: list[int], ident: dict, canary, crit: Criu,
+              dump: _Dumped, images: Path, leave_running: bool) -> dict:
     manifest = {
-        "kind": kind, "created_at": time.time(), "service": service.policy.name, "pid": proc.pid, "tree_pids": pids,
-        "gpu": gpu, "identity": ident, "canary": {"prompts": service.policy.restart["canary_prompts"], "tokens": canary},
-        "criu_via": crit.last_via, "phases": phases, "kv_cache_freed_bytes": shrunk.get("kv_cache_freed_bytes", 0), "image_bytes": dir_bytes(images),
+        "kind": kind, "created_at": time.time(), "service": service.policy.name, "pid": pid, "tree_pids": pids,
+        "gpu": dump.gpu, "identity": ident,
+        "canary": {"prompts": service.policy.restart["canary_prompts"], "tokens": canary},
+        "criu_via": crit.last_via, "phases": dump.phases,
+        "kv_cache_freed_bytes": dump.shrunk.get("kv_cache_freed_bytes", 0), "image_bytes": dir_bytes(images),
         "left_running": leave_running, "files": image_sizes(images),
     }
-    if weightless:
+    if kind == "weightless":
         # what the restore re-attaches: the weight cache's fingerprint for each rank, as the engine asked for it
         manifest["weight_cache"] = weight_cache_fingerprints(facts)
-        manifest["weights_released_bytes"] = shrunk.get("weights_released_bytes", 0)
+        manifest["weights_released_bytes"] = dump.shrunk.get("weights_released_bytes", 0)
         if leave_running:
-            manifest["reattach"] = {k: reattached.get(k) for k in ("ipc", "mode", "attach_s", "reattach_s")}
-    private_files(images)
-    snap = store.commit(images, manifest, make_current)
-    store.prune(service.policy.criu["keep"])
-    progress(f"snapshot {snap.id}: {manifest['image_bytes'] / 1e6:.1f} MB in {phases['criu_dump']:.2f} s")
-    return snap
+            manifest["reattach"] = {k: dump.reattached.get(k) for k in ("ipc", "mode", "attach_s", "reattach_s")}
+    return manifest
 
 
 SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
@@ -350,6 +379,7 @@ def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict, dict]:
     port taken by others, a restored engine killed or stopped by someone else
     say nothing about the snapshot.  One deadline, [restart] start_timeout_s,
     bounds everything after CRIU's own restore (KV cache back, readiness)."""
+    # long: the restore's phases in order, each timed and each failure named with its hint
     phases: dict[str, float] = {}
     miss = mismatches(snap.manifest["identity"], host_identity(service, facts))
     if miss:
@@ -361,7 +391,7 @@ def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict, dict]:
         holders = ", ".join(f"{p} ({comm(p)})" for p in taken)
         raise StrategyError(f"the snapshot's PIDs are taken: {holders}",
                             hint="CRIU restores processes under their old PIDs; they stayed taken past [criu] pid_wait_s")
-    if holder := service.port_holder():
+    if holder := service.engine.port_holder():
         raise StrategyError(f"port {service.policy.service['port']} is already in use by {holder}; "
                             "the restored engine could not listen there",
                             hint=f"stop that process, or set another [service] port in {service.policy.path}")
@@ -377,7 +407,7 @@ def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict, dict]:
     except CriuError as e:
         raise (e if e.message.startswith("could not run") else snapshot_fault(e))
     phases["criu_restore"] = round(time.monotonic() - t, 3)
-    proc = service.adopt(pid, "criu")
+    proc = service.engine.adopt(pid, "criu")
     deadline = time.monotonic() + service.policy.restart["start_timeout_s"]
     try:
         if snap.manifest.get("gpu"):
@@ -401,9 +431,9 @@ def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict, dict]:
         phases["ready"] = round(time.monotonic() - t, 3)
     except BaseException:
         kill_tree(pid)
-        service.pidfile.unlink(missing_ok=True)
+        service.engine.pidfile.unlink(missing_ok=True)
         raise
-    service.mark_ready(proc, "criu+ipc" if weightless else "criu")
+    service.engine.mark_ready(proc, "criu+ipc" if weightless else "criu")
     return proc, phases, load
 
 
@@ -423,7 +453,7 @@ def _ask_for_stacks(service, pid: int) -> str | None:
     except OSError:
         return None
     service.seam.sleep(0.5)  # the engine writes them from its signal handler
-    return f"its threads' stacks, written when it was given up on, are at the end of {service.log_path}"
+    return f"its threads' stacks, written when it was given up on, are at the end of {service.engine.log_path}"
 
 
 __all__ = ["create", "restore", "identity", "mismatches", "store_for", "wait_pids_free", "CriuError"]

@@ -27,6 +27,7 @@ def refresh(service, facts, force: bool = False, say=print) -> int:
 
 
 def _refresh(service, facts, force: bool, say) -> int:
+    # long: the refresh's steps under its own lock, each ending in the same metrics and exit code
     from restartkit.snapshot.ops import create, host_identity, mismatches, store_for
     store = store_for(service)
     store.ensure()

@@ -63,7 +63,7 @@ def test_restore(service, facts, snap, say=lambda _m: None) -> dict:
     deadline = pol.criu["restore_timeout_s"] + pol.restart["start_timeout_s"] + 60
     argv = ["unshare", "--pid", "--net", "--mount", "--fork", "--kill-child", "--mount-proc",
             sys.executable, "-m", "restartkit.snapshot.trial", "--policy", str(pol.path), "--images", str(snap.path),
-            "--criu", binary, "--engine-log", str(service.log_path), "--timeout", str(pol.criu["restore_timeout_s"]),
+            "--criu", binary, "--engine-log", str(service.engine.log_path), "--timeout", str(pol.criu["restore_timeout_s"]),
             "--state-root", pol.state_root]
     say(f"restoring a copy of {snap.id} in its own namespaces (the engine keeps serving)")
     t0 = time.monotonic()

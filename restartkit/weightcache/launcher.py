@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from restartkit.errors import UsageError
+from restartkit.process.seam import Seam
 from restartkit.process.signals import block_stop_signals, next_stop_signal
 
 
@@ -131,20 +132,23 @@ class Launcher:
 
     def wait_started(self) -> int:
         """0 when every rank is ready; else the failing rank's exit code (all others stopped)."""
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            for r in self.ranks:
+        failed: list = []
+
+        def settled() -> bool:
+            failed[:] = [r for r in self.ranks if r.proc.poll() is not None][:1]
+            return bool(failed) or all(r.state == "ready" for r in self.ranks)
+        seam = Seam()
+        if seam.wait_until(settled, self.timeout):
+            if failed:
+                r = failed[0]
                 rc = r.proc.poll()
-                if rc is not None:
-                    time.sleep(0.1)  # let the reader thread take the last event
-                    self.say(f"rank {r.spec['global']} exited with code {rc} while starting ({r.info.get('message', 'no message')}); stopping the others")
-                    self.stop_all()
-                    return rc or 1
-            if all(r.state == "ready" for r in self.ranks):
-                self.state = "ready"
-                self._rendezvous()
-                return 0
-            time.sleep(0.05)
+                seam.sleep(0.1)  # let the reader thread take the last event
+                self.say(f"rank {r.spec['global']} exited with code {rc} while starting ({r.info.get('message', 'no message')}); stopping the others")
+                self.stop_all()
+                return rc or 1
+            self.state = "ready"
+            self._rendezvous()
+            return 0
         states = ", ".join(f"rank {r.spec['global']}: {r.state}" for r in self.ranks)
         self.say(f"not every rank was ready within {self.timeout:.0f} s ({states}); stopping all")
         self.stop_all()

@@ -16,6 +16,7 @@ import os
 import time
 from dataclasses import dataclass, fields
 
+from restartkit.process.seam import Seam
 from restartkit.weightcache import protocol
 
 
@@ -87,23 +88,26 @@ def attach(engine, raw_config: dict, device_uuid: str, fingerprint: dict, draft:
     path = protocol.socket_path(device_uuid, draft, cfg.socket_dir)
     hello = {"protocol": protocol.PROTOCOL_VERSION, "device_uuid": device_uuid, "fingerprint": fingerprint}
     t0 = time.perf_counter()
-    deadline = time.monotonic() + cfg.state_timeout_s
-    while True:
+    got: dict = {}
+
+    def attached() -> bool:  # True: attached, or a refusal not worth waiting out
         try:
-            reply, fds = _attach_once(path, hello, cfg)
-            break
+            got["reply"] = _attach_once(path, hello, cfg)
+            return True
         except IPCUnavailable as e:
+            got["error"] = e
             loading = e.field in ("loading", "starting")
-            wait = (not cfg.fallback and e.retry) or (cfg.fallback and loading)
-            if wait and time.monotonic() < deadline:
-                time.sleep(0.5)
-                continue
-            if not cfg.fallback:
-                raise RuntimeError(f"ipc_cache: {e.reason} (fallback is off)") from None
-            engine.load_from_disk()
-            engine.load_info.update(ipc="fallback", fallback_reason=e.reason, fallback_field=e.field)
-            print(f"[engine {os.getpid()}] weight cache unusable ({e.reason}); loaded from disk", flush=True)
-            return
+            return not ((not cfg.fallback and e.retry) or (cfg.fallback and loading))
+    Seam().wait_until(attached, cfg.state_timeout_s, 0.5)
+    if "reply" not in got:
+        e = got["error"]
+        if not cfg.fallback:
+            raise RuntimeError(f"ipc_cache: {e.reason} (fallback is off)") from None
+        engine.load_from_disk()
+        engine.load_info.update(ipc="fallback", fallback_reason=e.reason, fallback_field=e.field)
+        print(f"[engine {os.getpid()}] weight cache unusable ({e.reason}); loaded from disk", flush=True)
+        return
+    reply, fds = got["reply"]
     t_reply = time.perf_counter()
     handle = reply["handle"]
     if handle["kind"] == "memfd":

@@ -12,7 +12,7 @@ import pytest
 
 from restartkit.commands.supervise import Notifier
 from tests.conftest import RESTARTKIT, ROOT, run_cli
-from tests.test_ipc import ipc_policy, preloads, sockdir, start_preload  # noqa: F401  (fixtures)
+from tests.helpers import ipc_policy, start_preload
 
 pytestmark = pytest.mark.slow
 
