@@ -265,10 +265,13 @@ def _reconcile_if_free(svc) -> None:
 @friendly
 def history(policy_path, last, as_json):
     """The last restart records of a service."""
-    from restartkit.record import read_history
+    from restartkit.record import load_history
     svc = load(policy_path)
-    recs = read_history(svc.state_dir, last)
-    emit({"records": recs}, as_json, "\n".join(render_record(r) for r in recs) or "no restarts recorded")
+    got = load_history(svc.state_dir, last)
+    text = "\n".join(render_record(r) for r in got.records) or "no restarts recorded"
+    if note := got.note():
+        text += f"\n({note})"
+    emit({"records": got.records, "skipped": got.skipped, "problem": got.problem}, as_json, text)
 
 
 # ---- the weight cache ------------------------------------------------------------------

@@ -48,6 +48,7 @@ class ServiceFacts:
     engine_ready: bool = False
     engine_answered: bool = False  # answered at all within the fact timeout (a 503 while asleep counts)
     pid: int | None = None
+    start_ticks: int | None = None  # with the PID, names the running engine (engine.json)
     model_problem: str | None = None  # why the model cannot be loaded, if known
     engine_version: str | None = None
     adapter_problem: str | None = None
@@ -83,6 +84,8 @@ class Facts:
     strategy: dict[str, dict] = field(default_factory=dict)
     # what this service measured about each strategy (history, estimates), by strategy name
     evidence: dict[str, Evidence] = field(default_factory=dict)
+    # what gathering the evidence passed over (malformed history records, say): plan says it
+    evidence_notes: list[str] = field(default_factory=list)
 
     def of(self, name: str) -> dict:
         return self.strategy.get(name) or {}

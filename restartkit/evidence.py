@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from restartkit.contracts import Evidence, Facts
-from restartkit.record import read_history
+from restartkit.record import load_history
 
 HISTORY_LINES = 2000  # how far back history.jsonl is read
 # the phases of a snapshot's creation that move its bytes (device memory to the host, pages to the images,
@@ -88,18 +88,22 @@ def summarize(records: list[dict], ctx: dict, policy, names, now: float) -> dict
 
 
 def gather(service, facts: Facts, names, now: float | None = None) -> dict[str, Evidence]:
-    """Measured evidence from the history, then estimates where there is none."""
+    """Measured evidence from the history, then estimates where there is none.  Evidence is
+    advice, never a reason a restart cannot run: a history that cannot be read, or records that
+    are not restartkit's, are passed over and said (facts.evidence_notes), never raised."""
     now = time.time() if now is None else now
     ctx = context(facts, service.policy)
+    history = load_history(service.state_dir, HISTORY_LINES)
+    if note := history.note():
+        facts.evidence_notes.append(note)
     try:
-        records = read_history(service.state_dir, HISTORY_LINES)
-        unreadable = None
-    except (OSError, UnicodeDecodeError) as e:  # evidence is a nicety: an unreadable history never stops a restart
-        records, unreadable = [], f"history.jsonl unreadable ({getattr(e, 'strerror', None) or e})"
-    evidence = summarize(records, ctx, service.policy, names, now)
-    if unreadable:
+        evidence = summarize(history.records, ctx, service.policy, names, now)
+    except Exception as e:  # a record of a shape no check foresaw: ranked by the built-in order, and said
+        facts.evidence_notes.append(f"history.jsonl not used ({type(e).__name__}: {e}); ranked by the built-in order")
+        evidence = {name: Evidence(name) for name in names}
+    if history.problem:
         for ev in evidence.values():
-            ev.detail = unreadable
+            ev.detail = f"history.jsonl not read ({history.problem})"
     for name, ev in evidence.items():
         if ev.source == "measured":
             continue

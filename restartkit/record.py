@@ -2,8 +2,11 @@
 Prometheus textfile with counters that survive across commands."""
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
+import stat
 import sys
 import time
 import uuid
@@ -51,25 +54,128 @@ class Record:
 
 
 def append_history(state_dir: Path, record: Record) -> Path:
+    """One line appended to history.jsonl, which must be a regular file of ours: a link is not
+    followed and a FIFO is not waited on (OSError: the caller prints the record instead)."""
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = state_dir / "history.jsonl"
-    with open(path, "a") as f:
-        f.write(json.dumps(record.to_dict()) + "\n")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        os.write(fd, (json.dumps(record.to_dict()) + "\n").encode())
+    finally:
+        os.close(fd)
     return path
 
 
-def read_history(state_dir: Path, last: int = 0) -> list[dict]:
-    path = state_dir / "history.jsonl"
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
-    out = []
-    for line in lines[-last:] if last else lines:
+HISTORY_MAX_BYTES = 8 << 20  # how much of history.jsonl's end is read at the most (thousands of records)
+
+
+@dataclass
+class History:
+    """The records read back from history.jsonl, oldest first, and what was passed over: a history
+    is advice (evidence, status), never a reason a command cannot run."""
+    records: list[dict] = field(default_factory=list)
+    skipped: int = 0  # lines that are not a record restartkit writes (torn, edited, planted)
+    problem: str | None = None  # why the file was not read at all (not a regular file, unreadable)
+
+    def note(self) -> str | None:
+        """One line for `plan` and `history` when anything was passed over."""
+        if self.problem:
+            return f"history.jsonl not read: {self.problem}"
+        if self.skipped:
+            return f"history.jsonl: {self.skipped} malformed record(s) skipped"
+        return None
+
+
+def load_history(state_dir: Path, last: int = 0, max_bytes: int = HISTORY_MAX_BYTES) -> History:
+    """The last `last` records (0: all that the last `max_bytes` hold).  Only a regular file is
+    read (a FIFO would block, a link to /dev/zero would never end: neither is followed), and each
+    line counts only when it has the shape of a record (record_problem)."""
+    out = History()
+    try:
+        fd = os.open(state_dir / "history.jsonl", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return out
+    except OSError as e:
+        out.problem = "it is a symbolic link" if e.errno == errno.ELOOP else (e.strerror or str(e))
+        return out
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            out.problem = "it is not a regular file"
+            return out
+        start = max(0, st.st_size - max_bytes)
+        raw = os.pread(fd, min(st.st_size, max_bytes), start)
+    except OSError as e:
+        out.problem = e.strerror or str(e)
+        return out
+    finally:
+        os.close(fd)
+    lines = raw.split(b"\n")
+    if start:
+        lines = lines[1:]  # the first line read from the middle of the file is a part of one
+    for line in lines:
+        if not line.strip():
+            continue
         try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a torn last line from a crash must not hide the rest
+            rec = json.loads(line, parse_constant=_no_constant)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            out.skipped += 1  # a torn last line from a crash must not hide the rest
+            continue
+        if record_problem(rec):
+            out.skipped += 1
+            continue
+        out.records.append(rec)
+    if last:
+        out.records = out.records[-last:]
     return out
+
+
+def read_history(state_dir: Path, last: int = 0) -> list[dict]:
+    return load_history(state_dir, last).records
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a value a record holds")
+
+
+def _number(v, none_ok: bool = True) -> bool:
+    if v is None:
+        return none_ok
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+RECORD_TYPES = {"final_state": str, "attempts": list}  # what every record has held, from the first version on
+RECORD_OPTIONAL = {"id": str, "service": str, "requested": str, "reason": str, "via_recovery": bool,
+                   "context": dict, "served_by": str, "recovery_reason": str, "downtime": dict, "trigger": dict,
+                   "plan": dict, "proof": dict}
+
+
+def record_problem(rec) -> str | None:
+    """Why `rec` is not a record as restartkit writes them (None: it is one).  Every field a reader
+    uses is checked for its type, so that no reader has to."""
+    if not isinstance(rec, dict):
+        return f"a {type(rec).__name__}, not an object"
+    for key, kind in RECORD_TYPES.items():
+        if not isinstance(rec.get(key), kind):
+            return f"{key} is not a {kind.__name__}"
+    for key, kind in RECORD_OPTIONAL.items():
+        if rec.get(key) is not None and not isinstance(rec[key], kind):
+            return f"{key} is not a {kind.__name__}"
+    if not _number(rec.get("started_at"), none_ok=False):
+        return "started_at is not a time"
+    for key in ("finished_at", "time_to_ready_s", "first_completion_s"):
+        if not _number(rec.get(key)):
+            return f"{key} is not a number of seconds"
+    if not _number((rec.get("downtime") or {}).get("downtime_s")):
+        return "downtime.downtime_s is not a number of seconds"
+    for a in rec["attempts"]:
+        if not isinstance(a, dict) or not isinstance(a.get("strategy"), str):
+            return "an attempt is not an object naming its strategy"
+        if a.get("proof") is not None and not isinstance(a["proof"], dict):
+            return "an attempt's proof is not an object"
+    return None
 
 
 def update_metrics(state_dir: Path, record: Record) -> Path:
@@ -195,6 +301,14 @@ def write_record(service, rec: Record) -> bool:
 
 
 def render_record(r: dict) -> str:
+    try:
+        return _render_record(r)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a record edited by hand: shown, not raised
+        return f"restart {r.get('id', '?')}: a record this version cannot show ({type(e).__name__}: {e}): " + \
+            json.dumps(r, default=str)[:500]
+
+
+def _render_record(r: dict) -> str:
     lines = [f"restart {r['id']} of {r['service']}: {r['final_state']}"
              + (f" by {r['served_by']}" if r["served_by"] else "")
              + (" (through the recovery path)" if r["via_recovery"] else "")]

@@ -109,8 +109,8 @@ def _restart(service: Service, plan: Plan, facts: Facts, requested: str, reason:
         rec.via_recovery = True
         rec.recovery_reason = f"{primary} failed: {outcome.error}"
         say(f"{primary} failed ({outcome.error}); recovering with a cold start")
-        cleared = service.engine.clear_for_recovery([facts.service.pid, *outcome.pids, *service.intent.data.get("pids", [])],
-                                             since_ticks)
+        cleared = service.engine.clear_for_recovery([(facts.service.pid, facts.service.start_ticks)],
+                                                    [*outcome.pids, *service.intent.data.get("pids", [])], since_ticks)
         if cleared:
             entry["killed_before_recovery"] = cleared
         rec.attempts.append(entry)

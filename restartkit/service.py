@@ -82,7 +82,7 @@ class Service:
             sf.model_digest = local_checkpoint_identity(s["model"]) or (f"{s['model']}@{s['revision']}" if s["revision"] else None)
         proc = self.engine.current()
         if proc is not None:
-            sf.engine_running, sf.pid = True, proc.pid
+            sf.engine_running, sf.pid, sf.start_ticks = True, proc.pid, proc.start_ticks
             # a hung engine must cost seconds here, not the minutes a loaded one may take to answer
             sf.engine_ready, sf.engine_answered = self.probe(timeout_s=FACT_TIMEOUT_S)
             try:  # a busy engine may queue a completion past the probe's timeout; its stats answer at once

@@ -39,7 +39,10 @@ class CriuStrategy(BaseStrategy):
             out["ipc_attached"] = bool(arena_holders(pids)) or (load.get("source") == "ipc"
                                                                  and load.get("mode") == "zero_copy")
         out["identity"] = identity(service, facts)
-        snap = store_for(service).current()
+        store = store_for(service)
+        if problem := store.trust_problem():
+            out["store_problem"] = problem
+        snap = store.current()
         if snap is not None:
             tested = snap.manifest.get("tested") or {}
             out.update(current=snap.id, suspect=snap.suspect, age_s=round(snap.age_s), tested=tested.get("ok"),

@@ -91,6 +91,9 @@ def gpu_checkpoint_api(facts: Facts, policy) -> str | None:
 def _snapshot_usable(c: dict, policy) -> str | None:
     if c.get("error"):
         return f"could not read the snapshot store: {c['error']}"
+    if c.get("store_problem"):
+        return (f"{c['store_problem']}: its snapshots are not used; remove it or `chown` it to yourself and "
+                "`chmod 700` it, or set [criu] images_dir")
     if not c.get("current"):
         return f"no snapshot yet: take one with `restartkit snapshot create --policy {policy.path}`"
     if c.get("suspect"):

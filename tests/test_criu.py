@@ -80,8 +80,48 @@ def test_a_pid_held_past_the_deadline_recovers(served):
         code, rec = restart(policy, "--strategy", "criu", "--strict")
         assert_recovered(code, rec, "PIDs are taken")
         assert str(snap["pid"]) in rec["recovery_reason"]
+        assert holder.poll() is None, "restartkit killed the process that held the snapshot's PID"
+        assert snap["pid"] not in rec["attempts"][0].get("killed_before_recovery", [])
     finally:
         holder.kill()
+
+
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def test_another_users_process_on_a_snapshots_pid_is_named_and_left_alone(served):
+    """PIDs wrap quickly on a busy host: a process of another user that took the snapshot's PID
+    is named, never signalled, and the restart recovers cold."""
+    policy = served('pid_wait_s = 1.0\n')
+    snap = create(policy, "--stop")
+    holder = take_pid(snap["pid"], [*NOBODY, "sleep", "300"])
+    try:
+        code, rec = restart(policy, "--strategy", "criu", "--strict")
+        assert_recovered(code, rec, "PIDs are taken")
+        assert str(snap["pid"]) in rec["recovery_reason"], rec["recovery_reason"]
+        assert holder.poll() is None, "restartkit killed another user's process"
+    finally:
+        holder.kill()
+
+
+def test_pids_written_into_a_manifest_are_never_killed(served):
+    """A manifest's tree_pids edited to name other processes (here another user's and one of our
+    own user's, both older than the restart) kills nothing: restartkit signals only what it started."""
+    policy = served('pid_wait_s = 1.0\n')
+    snap = create(policy)  # the engine keeps serving
+    theirs = subprocess.Popen([*NOBODY, "sleep", "300"])
+    mine = subprocess.Popen(["sleep", "300"])
+    try:
+        manifest = snapshots_dir(policy) / snap["id"] / "manifest.json"
+        data = json.loads(manifest.read_text())
+        data["tree_pids"] += [theirs.pid, mine.pid]
+        manifest.write_text(json.dumps(data))
+        code, rec = restart(policy, "--strategy", "criu", "--strict")
+        assert rec["final_state"] == "serving", rec
+        assert theirs.poll() is None and mine.poll() is None, "restartkit killed what a manifest named"
+    finally:
+        theirs.kill()
+        mine.kill()
 
 
 def test_identity_mismatch_is_named_and_recovers(served):
@@ -126,7 +166,7 @@ def test_sigterm_during_create_keeps_the_previous_snapshot(served):
     assert json.loads(run_cli("status", "--policy", policy, "--json").stdout)["serving"]  # the engine is back
 
 
-def take_pid(pid: int) -> subprocess.Popen:
+def take_pid(pid: int, argv=("sleep", "300")) -> subprocess.Popen:
     """Start a process under `pid` (root: steer the kernel's next PID)."""
     deadline = time.monotonic() + 10
     while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
@@ -134,7 +174,7 @@ def take_pid(pid: int) -> subprocess.Popen:
     for _ in range(50):
         with open("/proc/sys/kernel/ns_last_pid", "w") as f:
             f.write(str(pid - 1))
-        p = subprocess.Popen(["sleep", "300"])
+        p = subprocess.Popen(list(argv))
         if p.pid == pid:
             return p
         p.kill()

@@ -189,3 +189,39 @@ def test_a_restart_by_another_command_is_adopted_not_taken_for_a_crash(supervise
     assert [x["id"] for x in recs] == [new["id"]] and recs[-1]["reason"] == "restart", recs
     st = s.status()
     assert st["serving"] and st["supervisor"]["pid"] == s.proc.pid and st["supervisor"]["failures_in_interval"] == 0
+
+
+def test_a_planted_history_never_keeps_a_crash_down(supervised):
+    """One malformed line in history.jsonl once broke every plan: under supervise, a crash that was
+    never restarted.  Evidence is advice: the crash comes back, and the bad lines are said."""
+    s = supervised()
+    hist = s.policy.parent / "state" / "svc" / "history.jsonl"
+    with open(hist, "a") as f:
+        f.write('5\n{"started_at": NaN, "attempts": [], "final_state": "serving"}\n'
+                '{"started_at": "yesterday", "attempts": {}, "final_state": "serving"}\n')
+    os.kill(s.status()["pid"], signal.SIGKILL)
+    rec = s.wait_record(1)
+    assert rec["reason"] == "crash" and rec["final_state"] == "serving", rec
+    assert "history.jsonl: 3 malformed record(s) skipped" in rec["plan"]["notes"], rec["plan"]["notes"]
+    assert s.status()["serving"]
+
+
+def test_when_the_restart_flow_itself_fails_a_crash_still_ends_serving(make_policy, service_cleanup):
+    """The restart flow raising (a bug, a file it cannot read) must not leave a crashed service
+    down: supervise starts it cold, for real, and records why."""
+    from restartkit.commands.supervise import Supervisor
+    from restartkit.service import Service
+    policy = make_policy()
+    service_cleanup(policy)
+    said = []
+    sup = Supervisor(Service.from_policy_file(policy), say=said.append, notifier=Notifier({}))
+
+    def broken(*_a, **_kw):
+        raise RuntimeError("the flow broke")
+    sup.restart = broken
+    rec = sup._restart("crash", {"by": "supervise", "what": "test", "noticed_at": time.time()})
+    assert rec is not None and rec.final_state == "serving" and rec.served_by == "cold" and rec.via_recovery
+    assert "the restart flow failed (RuntimeError: the flow broke)" in rec.recovery_reason
+    assert json.loads(run_cli("status", "--policy", policy, "--json").stdout)["serving"]
+    recs = json.loads(run_cli("history", "--policy", policy, "--json").stdout)["records"]
+    assert recs[-1]["id"] == rec.id and recs[-1]["trigger"]["noticed_to_serving_s"] > 0

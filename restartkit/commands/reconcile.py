@@ -27,6 +27,7 @@ from restartkit.guard.preflight import preflight_writable
 from restartkit.record import Record, write_record
 from restartkit.snapshot.store import MANIFEST
 from restartkit.process.engine import EngineProcess
+from restartkit.process.lifecycle import ours
 from restartkit.process.procfs import kill_tree, proc_start_ticks, proc_state, tree_pids
 
 # commands after which the service was meant to serve
@@ -70,15 +71,16 @@ def reconcile(service, say: Callable[[str], None], recover: bool = True) -> dict
 
 
 def candidates(service, stale: dict) -> list[int]:
-    """Live engines the dead command may have left: the recorded one first."""
+    """Live engines the dead command may have left: the recorded one first, then those it started
+    (a PID the intent names that anyone else holds now is left alone)."""
     out = []
     proc = service.current()
     if proc is not None:
         out.append(proc.pid)
-    since = stale.get("start_ticks") or 0
-    for pid in stale.get("pids", []):
-        ticks = proc_start_ticks(pid)
-        if ticks is not None and ticks >= since and pid not in out:
+    since = stale.get("start_ticks")
+    for pid in stale.get("pids") or []:
+        # ours only: created after the dead command started, as this user, under a keeper of ours
+        if isinstance(pid, int) and pid not in out and ours(pid, since if isinstance(since, int) else None):
             out.append(pid)
     return out
 

@@ -250,8 +250,11 @@ class Supervisor:
             with guarded(svc, f"supervise restart ({reason})", self._lock_wait(), self.say, defer_signals=False):
                 rec = self.restart(svc, "auto", reason=reason, say=self.say, trigger=trigger)
         except Exception as e:
-            self.say(f"{svc.policy.name}: the restart could not run: {getattr(e, 'message', None) or e}")
-            return None
+            why = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
+            self.say(f"{svc.policy.name}: the restart could not run: {why}")
+            rec = self._cold_anyway(reason, trigger, why)
+            if rec is None:
+                return None
         finally:
             done.set()
         self.history.append({"at": time.time(), "reason": reason, "what": trigger["what"], "served_by": rec.served_by,
@@ -262,6 +265,31 @@ class Supervisor:
                     if (rec.trigger or {}).get("noticed_to_serving_s") is not None else ""))
         self._save(rec.final_state)
         self.notify.send(self._status())
+        return rec
+
+    def _cold_anyway(self, reason: str, trigger: dict, why: str):
+        """The restart flow itself failed before it ran a strategy (a file it could not read, a
+        bug): a crash must still end serving.  A plain cold start, as `restartkit start` does,
+        recorded as a recovery with the reason; None when even that cannot run."""
+        from restartkit.record import Record, write_record
+        svc = self.service
+        rec = Record(service=svc.policy.name, policy=svc.policy.path, requested="auto", reason=reason, plan={},
+                     trigger=dict(trigger))
+        rec.via_recovery, rec.recovery_reason = True, f"the restart flow failed ({why}); a plain cold start"
+        try:
+            with guarded(svc, f"supervise restart ({reason})", self._lock_wait(), self.say, defer_signals=False):
+                if svc.current() is None:
+                    started = svc.engine.start("cold")
+                    svc.canary()
+                    rec.time_to_ready_s = round(started.ready_s, 3)
+                rec.attempts.append({"strategy": "cold", "role": "recovery", "ok": True})
+                rec.final_state, rec.served_by = "serving", "cold"
+        except Exception as e:
+            self.say(f"{svc.policy.name}: a plain cold start failed too: {getattr(e, 'message', None) or e}")
+            rec.attempts.append({"strategy": "cold", "role": "recovery", "ok": False, "error": str(e)})
+        if trigger.get("noticed_at") and rec.final_state == "serving":
+            rec.trigger["noticed_to_serving_s"] = round(time.time() - trigger["noticed_at"], 3)
+        write_record(svc, rec.finish(strict=False))
         return rec
 
     def _stop(self, why: str) -> int:

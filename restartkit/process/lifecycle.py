@@ -20,7 +20,8 @@ from restartkit.errors import EngineStartError, UsageError
 from restartkit.files import ensure_private_dir, write_json_atomic
 from restartkit.process import keeper
 from restartkit.process.engine import EngineProcess
-from restartkit.process.procfs import comm, create_time, kill_tree, listeners, port_has_listener, proc_start_ticks
+from restartkit.process.procfs import (ancestors, argv, comm, create_time, kill_tree, listeners, owner,
+                                       port_has_listener, proc_start_ticks)
 from restartkit.process.seam import Seam
 from restartkit.process.states import ProcState
 from restartkit.reference.ready import READY_FD_ENV
@@ -50,6 +51,19 @@ class Started:
     stats: dict = field(default_factory=dict)
     log_offset: int = 0  # where this start's output begins in the engine log
     ready_at: float = 0.0  # time.monotonic() when the readiness probe passed
+
+
+def ours(pid: int, since_ticks: int | None) -> bool:
+    """Is `pid` a process restartkit started (or restored) since `since_ticks`?  It runs as this
+    user, was created since then, and a keeper of ours (restartkit/process/keeper.py, which every
+    engine and every restore runs under) is among its ancestors.  A PID a snapshot's manifest names,
+    reused by anyone else since (another user's process, an unrelated one), is never ours."""
+    if since_ticks is None or owner(pid) != os.getuid():
+        return False
+    ticks = proc_start_ticks(pid)
+    if ticks is None or ticks < since_ticks:
+        return False
+    return any(keeper.KEEPER in argv(a) for a in ancestors(pid))
 
 
 class EngineLifecycle:
@@ -113,17 +127,18 @@ class EngineLifecycle:
         self.seam.wait_until(settled, grace_s)
         return holder
 
-    def clear_for_recovery(self, pids: list[int], since_ticks: int | None) -> list[int]:
+    def clear_for_recovery(self, known: list[tuple[int, int]], pids: list[int], since_ticks: int | None) -> list[int]:
         """Before a recovery start: kill and reap every process of the failed attempt, so that
-        its port and PIDs are free.  `pids`: engines this restart knew of (the old one, what the
-        attempt started or restored); besides these, any listener on the service's port that
-        was created during this restart (`since_ticks`).  A listener older than the restart
-        that we do not know is someone else's: left alone, and the start names it."""
+        its port and PIDs are free.  Only processes restartkit can prove are its own are touched
+        (see `ours`): `known`, (PID, start ticks) pairs it recorded (the old engine); `pids`, what
+        the attempt started or restored, and any listener on the service's port, when created
+        during this restart (`since_ticks`) under a keeper of ours.  Anything else holding a PID
+        or the port is someone else's: left alone, and the start names it."""
         port = self.policy.service["port"]
-        doomed = [p for p in dict.fromkeys(pids) if p and proc_start_ticks(p) is not None]
-        for p in listeners(port):
-            ticks = proc_start_ticks(p)
-            if p not in doomed and since_ticks is not None and ticks is not None and ticks >= since_ticks:
+        doomed = [p for p, ticks in known if p and ticks is not None and proc_start_ticks(p) == ticks
+                  and owner(p) == os.getuid()]
+        for p in dict.fromkeys([*pids, *listeners(port)]):
+            if p and p not in doomed and ours(p, since_ticks):
                 doomed.append(p)
         for p in doomed:
             kill_tree(p)

@@ -18,6 +18,43 @@ def proc_start_ticks(pid: int) -> int | None:
         return None
 
 
+def parent(pid: int) -> int | None:
+    """The parent's PID (/proc/PID/stat field 4), None when the process is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+        return int(raw[raw.rindex(")") + 2:].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def owner(pid: int) -> int | None:
+    """The process's real user id, None when it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def argv(pid: int) -> list[str]:
+    """The process's argv ([] when it is gone or a kernel thread)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
+
+
+def ancestors(pid: int, limit: int = 64) -> list[int]:
+    """The process's parent, its parent's parent, ... up to (not counting) init."""
+    out, p = [], parent(pid)
+    while p and p > 1 and len(out) < limit:
+        out.append(p)
+        p = parent(p)
+    return out
+
+
 def holder_alive(info: dict) -> bool:
     """Does the process a record names ({"pid", "start_ticks"}) still run?"""
     pid = info.get("pid")

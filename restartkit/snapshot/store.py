@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from restartkit.guard.trust import trust_problem
 from restartkit.files import write_json_atomic
 
 MANIFEST = "manifest.json"
@@ -41,6 +42,10 @@ class SnapshotStore:
     def __init__(self, root: Path):
         self.root = Path(root)
 
+    def trust_problem(self) -> str | None:
+        """Why this root's snapshots must not be used (another user's directory, a link), or None."""
+        return trust_problem(self.root, "snapshot images dir")
+
     def ensure(self) -> Path:
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.root, 0o700)
@@ -54,7 +59,7 @@ class SnapshotStore:
         return path
 
     def list(self) -> list[Snapshot]:
-        if not self.root.is_dir():
+        if not self.root.is_dir() or self.trust_problem():  # another user's root chooses nothing we restore
             return []
         out = []
         for d in sorted(self.root.iterdir()):
@@ -67,6 +72,8 @@ class SnapshotStore:
 
     def get(self, sid: str) -> Snapshot | None:
         d = self.root / sid
+        if self.trust_problem() or d.is_symlink():
+            return None
         try:
             return Snapshot(d, json.loads((d / MANIFEST).read_text()))
         except (OSError, ValueError):

@@ -1,0 +1,116 @@
+"""Directories another user made first are not trusted: a state dir or a snapshot root owned by
+someone else, writable by others, or a link, is refused with the path and the fix, and nothing
+planted there (an intent naming a PID, a snapshot) is acted on.  Real commands, real uids."""
+import json
+import os
+import subprocess
+
+import pytest
+
+from restartkit.guard.trust import trust_problem
+from restartkit.process.procfs import proc_start_ticks
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.slow
+root_only = pytest.mark.skipif(os.getuid() != 0, reason="needs root (another uid's directories)")
+NOBODY = 65534
+
+
+def state_of(policy):
+    return policy.parent / "state" / "svc"
+
+
+def test_the_rules_name_each_problem(tmp_path):
+    d = tmp_path / "d"
+    d.mkdir(mode=0o700)
+    assert trust_problem(d, "state dir") is None
+    assert trust_problem(tmp_path / "missing", "state dir") is None  # made by restartkit when needed
+    os.chmod(d, 0o777)
+    assert "is writable by others (mode 777)" in trust_problem(d, "state dir")
+    os.chmod(d, 0o700)
+    (tmp_path / "link").symlink_to(d)
+    assert "is a symbolic link" in trust_problem(tmp_path / "link", "state dir")
+    open_parent = tmp_path / "open"
+    open_parent.mkdir()
+    os.chmod(open_parent, 0o777)
+    (open_parent / "svc").mkdir(mode=0o700)
+    assert "could be swapped" in trust_problem(open_parent / "svc", "state dir")
+    os.chmod(open_parent, 0o1777)  # sticky, like /tmp: entries cannot be renamed by others
+    assert trust_problem(open_parent / "svc", "state dir") is None
+
+
+@root_only
+def test_a_state_dir_of_another_user_is_refused_and_not_written(make_policy):
+    policy = make_policy()
+    state = state_of(policy)
+    state.mkdir(parents=True, mode=0o700)
+    os.chown(state, NOBODY, NOBODY)
+    r = run_cli("start", "--policy", policy)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"the state dir {state} belongs to uid {NOBODY}" in r.stderr and "chmod 700" in r.stderr, r.stderr
+    assert os.listdir(state) == []
+
+
+def test_a_state_dir_that_is_a_link_is_refused(make_policy, tmp_path):
+    policy = make_policy()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    state = state_of(policy)
+    state.parent.mkdir(parents=True)
+    state.symlink_to(elsewhere)
+    r = run_cli("start", "--policy", policy)
+    assert r.returncode == 2 and "is a symbolic link" in r.stderr, r.stderr
+    assert os.listdir(elsewhere) == []
+
+
+@root_only
+def test_an_intent_planted_by_another_user_kills_nothing(make_policy):
+    """Once, a planted intent.json made even `status` SIGKILL the PID it named."""
+    policy = make_policy()
+    state = state_of(policy)
+    state.mkdir(parents=True, mode=0o700)
+    victim = subprocess.Popen(["sleep", "300"])
+    try:
+        (state / "intent.json").write_text(json.dumps({
+            "command": "restart", "pid": 999999, "start_ticks": 0, "pids": [victim.pid], "was_serving": False}))
+        os.chown(state, NOBODY, NOBODY)
+        os.chown(state / "intent.json", NOBODY, NOBODY)
+        for args in (["status"], ["stop"], ["plan"]):
+            r = run_cli(*args, "--policy", policy)
+            assert "Traceback" not in r.stderr, r.stderr
+            assert victim.poll() is None, f"`restartkit {args[0]}` killed the PID a planted intent named"
+        assert (state / "intent.json").exists()
+    finally:
+        victim.kill()
+
+
+def test_an_intent_never_kills_a_pid_restartkit_did_not_start(make_policy):
+    """Even in our own state dir (written by a buggy or older command): a PID the intent names that
+    is older than the intent, or not under a keeper of ours, is left alone."""
+    policy = make_policy()
+    state = state_of(policy)
+    state.mkdir(parents=True, mode=0o700)
+    victim = subprocess.Popen(["sleep", "300"])
+    try:
+        (state / "intent.json").write_text(json.dumps({
+            "command": "restart", "pid": 999999, "start_ticks": proc_start_ticks(victim.pid),
+            "pids": [victim.pid], "was_serving": False}))
+        r = run_cli("status", "--policy", policy)
+        assert "Traceback" not in r.stderr, r.stderr
+        assert victim.poll() is None, "reconcile killed a process restartkit did not start"
+        assert not (state / "intent.json").exists()  # reconciled: nothing of ours was left
+    finally:
+        victim.kill()
+
+
+@root_only
+def test_a_snapshot_root_of_another_user_chooses_nothing(make_policy, tmp_path):
+    images = tmp_path / "images"
+    images.mkdir(mode=0o700)
+    os.chown(images, NOBODY, NOBODY)
+    policy = make_policy(extra=f'\n[criu]\nimages_dir = "{images}"\n')
+    r = run_cli("plan", "--policy", policy, "--json")
+    reasons = {s["strategy"]: s["reasons"] for s in json.loads(r.stdout)["strategies"]}
+    assert any(f"the snapshot images dir {images} belongs to uid {NOBODY}" in x for x in reasons["criu"]), reasons
+    r = run_cli("snapshot", "create", "--policy", policy)
+    assert r.returncode == 2 and f"{images} belongs to uid {NOBODY}" in r.stderr, r.stderr
