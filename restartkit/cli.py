@@ -12,7 +12,7 @@ import click
 from restartkit import __version__
 from restartkit.errors import EXIT_NOT_SERVING, EXIT_SERVING, RestartkitError
 from restartkit.record import render_record
-from restartkit.options import (json_option, policy_option, reason_option, state_dir_option, state_root,
+from restartkit.options import (Seconds, json_option, policy_option, reason_option, state_dir_option, state_root,
                                 strategy_option, wait_option)
 
 
@@ -295,7 +295,7 @@ def history(policy_path, last, as_json):
 @click.option("--health-port", type=click.IntRange(0, 65535), default=None)
 @click.option("--health-host", default=None, help="Default 127.0.0.1: never exposed unless you say so.")
 @click.option("--socket-dir", default=None)
-@click.option("--startup-timeout", type=click.FloatRange(min=0.1, max=7 * 86400), default=None,
+@click.option("--startup-timeout", type=Seconds(0.1), default=None,
               help="Seconds for every local rank to be ready.")
 @click.option("--detach", is_flag=True, help="Run the launcher in the background; return once every rank is ready.")
 @click.option("--wait-ready", is_flag=True, help="Start nothing: wait until a running weight cache is ready.")

@@ -49,7 +49,10 @@ def _ok_run(rec: dict, name: str) -> bool:
 
 
 def _first(rec: dict) -> str | None:
-    tried = [a for a in rec.get("attempts") or [] if not a.get("skipped")]
+    """The strategy a restart tried first, as its primary: a restart that went straight to its
+    recovery (the asked-for strategy not eligible) tried nothing first, and a recovery is never
+    counted as a failure of the strategy it recovered with."""
+    tried = [a for a in rec.get("attempts") or [] if not a.get("skipped") and a.get("role", "primary") == "primary"]
     return tried[0]["strategy"] if tried else None
 
 
@@ -57,7 +60,9 @@ def summarize(records: list[dict], ctx: dict, policy, names, now: float) -> dict
     """Pure: history records -> what was measured per strategy (newest records last)."""
     r = policy.restart
     oldest = now - r["rank_max_age_h"] * 3600
-    mine = [rec for rec in records if rec.get("context") == ctx and (rec.get("started_at") or 0) >= oldest]
+    # this service's own records only (the name and the context it wrote), within the window
+    mine = [rec for rec in records if rec.get("context") == ctx and rec.get("service", policy.name) == policy.name
+            and (rec.get("started_at") or 0) >= oldest]
     out = {}
     for name in names:
         ev = Evidence(name)

@@ -12,6 +12,8 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from restartkit.guard.trust import binary_problem
+
 DEFAULT_CRIU = "/opt/restartkit/criu/bin/criu"
 
 
@@ -138,6 +140,10 @@ def criu_facts(policy_path: str = "", run_check: bool = True) -> CriuFacts:
     path, source = find_criu(policy_path)
     facts = CriuFacts(path=path, source=source)
     if not path:
+        return facts
+    if source in ("policy", "RESTARTKIT_CRIU") and (problem := binary_problem(path)):
+        # a policy file must not choose a binary that root runs (even for a dry run) unless it is root's or ours
+        facts.check_output = f"not run: {problem}; install CRIU where only you or root can change it"
         return facts
     try:
         v = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10)

@@ -1,6 +1,7 @@
 """CLI options shared by several commands, declared once."""
 from __future__ import annotations
 
+import math
 import os
 
 import click
@@ -23,6 +24,24 @@ def state_root() -> str:
     return (ctx.meta.get("restartkit.state_root") if ctx else None) or os.environ.get(STATE_DIR_ENV, "")
 
 
+class Seconds(click.ParamType):
+    """A number of seconds from `low` to `high`: nan, infinities and negatives are not durations
+    (click's FloatRange lets nan through: every comparison with it is false)."""
+    name = "seconds"
+
+    def __init__(self, low: float = 0.0, high: float = 7 * 86400):
+        self.low, self.high = low, high
+
+    def convert(self, value, param, ctx):
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if not math.isfinite(v) or not self.low <= v <= self.high:
+            self.fail(f"{value!r} is not a number of seconds from {self.low:g} to {self.high:g} (7 days)", param, ctx)
+        return v
+
+
 policy_option = click.option(
     "--policy", "policy_path", envvar="RESTARTKIT_POLICY", required=True, show_envvar=True,
     type=click.Path(dir_okay=False), help="The service's policy file (TOML).")
@@ -31,7 +50,7 @@ state_dir_option = click.option(
     "--state-dir", envvar=STATE_DIR_ENV, show_envvar=True, expose_value=False, is_eager=True,
     callback=_set_state_dir, help="Where records, logs and PID files live.  [default: ~/.local/state/restartkit]")
 wait_option = click.option(
-    "--wait", "wait_s", type=click.FloatRange(min=0), default=0.0, envvar="RESTARTKIT_LOCK_WAIT", show_envvar=True,
+    "--wait", "wait_s", type=Seconds(), default=0.0, envvar="RESTARTKIT_LOCK_WAIT", show_envvar=True,
     show_default=True, help="Seconds to wait for another restartkit command on this service to finish "
                             "(0: exit 75 at once, naming it).")
 strategy_choice = click.Choice(["auto", *STRATEGY_NAMES])

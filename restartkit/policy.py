@@ -338,6 +338,13 @@ def parse_policy(data: dict, path: str = "<policy>") -> Policy:
     svc = sections["service"]
     if svc["engine"] == "command" and not svc["command"]:
         raise PolicyError(path, "service.command", "is required when engine = 'command'", "give the engine's argv as a list")
+    r = sections["restart"]
+    longest = max((len(p.encode()) for p in r["canary_prompts"]), default=0) + 1  # bytes bound tokens; + BOS
+    if r["canary_max_tokens"] + longest > svc["max_model_len"]:
+        raise PolicyError(path, "restart.canary_max_tokens",
+                          f"is {r['canary_max_tokens']}: with the longest canary prompt (up to {longest} tokens) it "
+                          f"does not fit in [service] max_model_len ({svc['max_model_len']})",
+                          f"lower it below {max(1, svc['max_model_len'] - longest)}, or raise max_model_len")
     ipc = sections["ipc"]
     if ipc["node_rank"] >= ipc["nnodes"]:
         raise PolicyError(path, "ipc.node_rank", f"is {ipc['node_rank']}: must be below [ipc] nnodes ({ipc['nnodes']})")

@@ -33,10 +33,10 @@ class Always(BaseStrategy):
 
 
 # ---- the weight cache ----------------------------------------------------------------------------
-def ipc_policy(make_policy, sockdir, fallback=True, name="svc", service_extra="", ipc_extra=""):
+def ipc_policy(make_policy, sockdir, fallback=True, name="svc", service_extra="", ipc_extra="", state_timeout_s=3.0):
     return make_policy(name=name, service_extra=service_extra, extra=(
         f'\n[ipc]\nsocket_dir = "{sockdir}"\nfallback = {"true" if fallback else "false"}\n'
-        f'state_timeout_s = 3.0\nconnect_timeout_s = 2.0\n{ipc_extra}'))
+        f'state_timeout_s = {state_timeout_s}\nconnect_timeout_s = 2.0\n{ipc_extra}'))
 
 
 def start_preload(policy, preloads, *flags) -> subprocess.Popen:

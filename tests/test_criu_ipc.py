@@ -20,10 +20,8 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def on_cache(make_policy, sockdir, preloads, service_cleanup):  # noqa: F811
-    """A serving engine that maps its weights zero_copy from a running weight cache."""
-    policy = ipc_policy(make_policy, sockdir, ipc_extra='mode = "zero_copy"\n')
+def serve_on_cache(make_policy, sockdir, preloads, service_cleanup, **ipc):
+    policy = ipc_policy(make_policy, sockdir, ipc_extra='mode = "zero_copy"\n', **ipc)
     policy.write_text(policy.read_text() + "\n[criu]\npid_wait_s = 5.0\n")
     service_cleanup(policy)
     launcher = start_preload(policy, preloads)
@@ -31,6 +29,19 @@ def on_cache(make_policy, sockdir, preloads, service_cleanup):  # noqa: F811
     r = json.loads(run_cli("restart", "--policy", policy, "--strategy", "ipc", "--json").stdout)
     assert r["served_by"] == "ipc" and r["attempts"][-1]["proof"]["ipc"] == "hit", r
     return policy, launcher
+
+
+@pytest.fixture
+def on_cache(make_policy, sockdir, preloads, service_cleanup):
+    """A serving engine that maps its weights zero_copy from a running weight cache."""
+    return serve_on_cache(make_policy, sockdir, preloads, service_cleanup)
+
+
+def criu_that_stops_the_cache(tmp_path, launcher):
+    w = tmp_path / "criu-stops-cache"
+    w.write_text(f'#!/bin/sh\n{CRIU.path} "$@"; rc=$?\n[ "$1" = restore ] && kill -TERM {launcher.pid} && sleep 1\nexit $rc\n')
+    w.chmod(0o755)
+    return w
 
 
 def create(policy):
@@ -83,9 +94,7 @@ def test_a_weight_cache_gone_at_the_restore_recovers_and_keeps_the_snapshot(on_c
     the restored engine cannot take its weights; recovery starts cold; the snapshot stays, not suspect."""
     policy, launcher = on_cache
     snap = create(policy)
-    w = tmp_path / "criu-stops-cache"
-    w.write_text(f'#!/bin/sh\n{CRIU.path} "$@"; rc=$?\n[ "$1" = restore ] && kill -TERM {launcher.pid} && sleep 1\nexit $rc\n')
-    w.chmod(0o755)
+    w = criu_that_stops_the_cache(tmp_path, launcher)
     policy.write_text(policy.read_text().replace("[criu]\n", f'[criu]\ncriu_path = "{w}"\n'))
     rec = json.loads(run_cli("restart", "--policy", policy, "--strategy", "criu+ipc", "--json").stdout)
     assert rec["final_state"] == "serving" and rec["served_by"] == "cold" and rec["via_recovery"], rec
@@ -126,3 +135,18 @@ def test_restartkit_killed_while_the_weights_are_released_is_reconciled(on_cache
     assert st["serving"] and st["pid"] == before, st
     rec = json.loads(run_cli("restart", "--policy", policy, "--strategy", "ipc", "--json").stdout)
     assert rec["proof"]["canary_identical"] is True
+
+
+def test_a_dead_cache_at_the_re_attach_is_given_up_on_in_seconds(make_policy, sockdir, preloads, service_cleanup,
+                                                                 tmp_path):
+    """With the default wait for a loading cache (300 s), a cache that died during the restore was
+    waited out for the whole 60 s re-attach limit (62-64 s down).  A cache that is not there at all
+    is not coming back: the re-attach gives up in seconds and the restart recovers cold."""
+    policy, launcher = serve_on_cache(make_policy, sockdir, preloads, service_cleanup, state_timeout_s=300.0)
+    create(policy)
+    w = criu_that_stops_the_cache(tmp_path, launcher)
+    policy.write_text(policy.read_text().replace("[criu]\n", f'[criu]\ncriu_path = "{w}"\n'))
+    rec = json.loads(run_cli("restart", "--policy", policy, "--strategy", "criu+ipc", "--json").stdout)
+    assert rec["final_state"] == "serving" and rec["served_by"] == "cold" and rec["via_recovery"], rec
+    assert "weights from the weight cache" in rec["attempts"][0]["error"], rec["attempts"][0]
+    assert rec["finished_at"] - rec["started_at"] < 40, rec  # 62-64 s before; seconds now

@@ -195,6 +195,11 @@ BAD_COMMAND_LINES = [
     ("snapshot", "prune", "--policy", "{policy}", "--keep", "0"),
     ("restart", "--policy", "{policy}", "--strategy", "bogus"),
     ("restart", "--policy", "{policy}", "--wait", "-1"),
+    ("restart", "--policy", "{policy}", "--wait", "nan"),
+    ("restart", "--policy", "{policy}", "--wait", "inf"),
+    ("stop", "--policy", "{policy}", "--wait", "1e12"),
+    ("preload", "--policy", "{policy}", "--startup-timeout", "nan"),
+    ("preload", "--policy", "{policy}", "--startup-timeout", "-inf"),
     ("sleep", "--policy", "{policy}", "--level", "3"),
     ("plan", "--policy", "/nonexistent.toml"),
 ]

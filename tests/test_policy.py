@@ -36,6 +36,7 @@ def test_defaults_are_filled():
     (with_("ipc", draft_model="/d"), "ipc.draft_model", "[service] draft_model"),
     (with_("service", draft_model="/d", engine="vllm"), "service.draft_model", "engine_args"),
     (with_("service", draft_model="/d", num_speculative_tokens=0), "service.num_speculative_tokens", "greater than 0"),
+    (with_("restart", canary_max_tokens=2000), "restart.canary_max_tokens", "does not fit in [service] max_model_len"),
 ])
 def test_bad_values_name_the_key_and_the_fix(data, key, words):
     with pytest.raises(PolicyError) as e:

@@ -181,3 +181,24 @@ def test_estimates_within_noise_keep_the_builtin_order():
     assert plan.attempt == "ipc" and plan.order.index("ipc") < plan.order.index("cold")
     ev["cold"].time_s = 1.5  # clearly faster (by 0.6 s, 29 %): it overtakes
     assert make_plan(facts(ev), policy(), "auto", everyone_eligible(but=("sleep",))).attempt == "cold"
+
+
+def test_a_restart_that_went_straight_to_recovery_is_no_failure_of_cold():
+    """criu asked for by name while it was not eligible: the record holds a skipped criu and a cold
+    recovery.  Neither counts against cold (it served) nor as a criu run."""
+    now = 10_000.0
+    straight = {"served_by": "cold", "final_state": "serving", "via_recovery": True, "time_to_ready_s": 2.0,
+                "context": CTX, "started_at": now - 100, "finished_at": now - 99,
+                "attempts": [{"strategy": "criu", "role": "primary", "ok": False, "skipped": True},
+                             {"strategy": "cold", "role": "recovery", "ok": True}]}
+    ev = summarize([straight] * 3, CTX, policy(rank_failures=2), NAMES, now)
+    assert ev["cold"].failures == 0 and ev["criu"].failures == 0 and ev["cold"].source == "none"
+
+
+def test_records_of_another_service_do_not_count():
+    now = 10_000.0
+    theirs = {**rec("sleep", 9.0, CTX, now - 100, recovered=True), "service": "other"}
+    ev = summarize([theirs] * 3, CTX, policy(rank_failures=2), NAMES, now)
+    assert ev["sleep"].failures == 0
+    mine = {**theirs, "service": "s"}
+    assert summarize([mine] * 3, CTX, policy(rank_failures=2), NAMES, now)["sleep"].failures == 3

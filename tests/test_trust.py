@@ -114,3 +114,41 @@ def test_a_snapshot_root_of_another_user_chooses_nothing(make_policy, tmp_path):
     assert any(f"the snapshot images dir {images} belongs to uid {NOBODY}" in x for x in reasons["criu"]), reasons
     r = run_cli("snapshot", "create", "--policy", policy)
     assert r.returncode == 2 and f"{images} belongs to uid {NOBODY}" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("make_it", ["directory", "immutable"])
+def test_a_lock_file_that_cannot_be_opened_is_named_not_a_traceback(make_policy, make_it):
+    policy = make_policy()
+    state = state_of(policy)
+    state.mkdir(parents=True, mode=0o700)
+    lock = state / "lock"
+    if make_it == "directory":
+        lock.mkdir()
+    else:
+        lock.write_text("")
+        if subprocess.run(["chattr", "+i", str(lock)], capture_output=True).returncode != 0:
+            pytest.skip("chattr +i is not possible here")
+    try:
+        r = run_cli("start", "--policy", policy)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"the lock file {lock} cannot be opened" in r.stderr and "remove it" in r.stderr, r.stderr
+        assert not (state / "engine.json").exists()
+    finally:
+        subprocess.run(["chattr", "-i", str(lock)], capture_output=True)
+
+
+def test_plan_does_not_run_a_criu_binary_others_can_change(make_policy, tmp_path):
+    """A policy names the binary; as root, `plan` (a dry run) would execute it.  One that others
+    may write to, or in a directory they may write to, is not run, and plan says why."""
+    ran = tmp_path / "ran"
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    fake = open_dir / "criu"
+    fake.write_text(f"#!/bin/sh\ntouch {ran}\necho Version: 4.2\n")
+    fake.chmod(0o755)
+    policy = make_policy(extra=f'\n[criu]\ncriu_path = "{fake}"\n')
+    r = run_cli("plan", "--policy", policy, "--json")
+    reasons = {s["strategy"]: s["reasons"] for s in json.loads(r.stdout)["strategies"]}
+    assert any(f"{open_dir} is writable by others (mode 777)" in x for x in reasons["criu"]), reasons
+    assert not ran.exists(), "plan ran a binary that others can change"

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from restartkit.errors import RestartkitError
+from restartkit.errors import RestartkitError, UsageError
 from restartkit.process.procfs import proc_start_ticks
 from restartkit.process.seam import Seam
 
@@ -25,7 +25,7 @@ class BusyError(RestartkitError):
 def lock_holder(state_dir: Path) -> dict | None:
     """Who holds the service's lock now ({} when unknown), or None when it is free."""
     try:
-        fd = os.open(state_dir / "lock", os.O_RDWR)
+        fd = os.open(state_dir / "lock", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
     try:
@@ -42,7 +42,13 @@ def lock_holder(state_dir: Path) -> dict | None:
 def service_lock(state_dir: Path, service: str, command: str, wait_s: float = 0.0,
                  say: Callable[[str], None] = lambda _m: None, seam: Seam | None = None) -> Iterator[None]:
     """Hold the service's lock for the block, waiting up to `wait_s` for another command's."""
-    fd = os.open(state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    path = state_dir / "lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise UsageError(f"the lock file {path} cannot be opened ({e.strerror or e}); nothing was touched",
+                         hint="it must be a regular file restartkit can write (a directory, a link or an immutable "
+                              "file is not): remove it (`chattr -i` first if it is immutable)") from None
     try:
         told = []
 

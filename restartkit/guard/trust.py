@@ -47,3 +47,21 @@ def check_trusted(path: Path, what: str, knob: str) -> None:
         raise UsageError(f"{problem}; nothing was touched",
                          hint=f"remove it and let restartkit make it (0700), `chown` it to yourself and "
                               f"`chmod 700` it, or point {knob} elsewhere")
+
+
+def binary_problem(path: str) -> str | None:
+    """Why a binary restartkit would run (as root, perhaps: CRIU) is not to be trusted: the file, or
+    any directory on its way from /, owned by someone other than this user or root, or writable by
+    others (a directory with the sticky bit, like /tmp, only lets owners rename their entries)."""
+    real = Path(os.path.realpath(path))
+    me = os.getuid()
+    for p in [real, *real.parents]:
+        try:
+            st = os.stat(p)
+        except OSError as e:
+            return f"{p}: {e.strerror or e}"
+        if st.st_uid not in (me, 0):
+            return f"{p} belongs to uid {st.st_uid}, not to you ({me}) or root"
+        if st.st_mode & 0o022 and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
+            return f"{p} is writable by others (mode {st.st_mode & 0o777:o})"
+    return None

@@ -11,6 +11,10 @@ from typing import TYPE_CHECKING
 from restartkit.reference.log import log
 from restartkit.reference.ready import signal_ready
 
+# A re-attach after a restore waits this long for a weight cache that is not there at all (no socket,
+# nobody listening): the cache served when the snapshot was taken, so one that is gone is not coming.
+REATTACH_ABSENT_S = 3.0
+
 if TYPE_CHECKING:
     from restartkit.reference.api import State
 
@@ -80,7 +84,8 @@ def _ipc_weights(engine, args, is_draft: bool = False):
         fp = fingerprint(o.model, tp_size=o.tp_size, tp_rank=o.tp_rank, dp_size=args.data_parallel_size,
                          dp_rank=args.data_parallel_rank, expert_parallel=o.expert_parallel, dtype=dtype_name,
                          quantization=o.quantization, revision=args.revision, draft=is_draft)
-        attach(engine, args.ipc if fallback is None else {**args.ipc, "fallback": fallback}, uuid, fp, draft=is_draft)
+        attach(engine, args.ipc if fallback is None else {**args.ipc, "fallback": fallback}, uuid, fp, draft=is_draft,
+               absent_timeout_s=None if fallback is None else REATTACH_ABSENT_S)
     return weights
 
 

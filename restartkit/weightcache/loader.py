@@ -77,18 +77,13 @@ def _attach_once(path, hello: dict, cfg: IPCConfig) -> tuple[dict, list[int]]:
     return reply, fds
 
 
-def attach(engine, raw_config: dict, device_uuid: str, fingerprint: dict, draft: bool = False) -> None:
-    """Fill `engine` from the daemon (the draft group's when `draft`), or from disk when
-    allowed; records the result in engine.load_info (ipc = hit | fallback, and why)."""
-    import torch
-
-    from restartkit.weightcache.arena import open_cuda, open_memfd, views
-
-    cfg = IPCConfig.parse(raw_config)
-    path = protocol.socket_path(device_uuid, draft, cfg.socket_dir)
-    hello = {"protocol": protocol.PROTOCOL_VERSION, "device_uuid": device_uuid, "fingerprint": fingerprint}
-    t0 = time.perf_counter()
+def _attach_waiting(path, hello: dict, cfg: IPCConfig, absent_timeout_s: float | None) -> dict:
+    """Ask the daemon until it hands the weights over ({"reply": (reply, fds)}) or refuses in a way
+    not worth waiting out ({"error": IPCUnavailable}): a loading daemon is waited for up to
+    state_timeout_s, an absent one (fallback off) too, or only `absent_timeout_s`."""
     got: dict = {}
+    seam = Seam()
+    absent_since: list[float] = []  # when the daemon was first found absent (no socket, nobody listening)
 
     def attached() -> bool:  # True: attached, or a refusal not worth waiting out
         try:
@@ -97,8 +92,30 @@ def attach(engine, raw_config: dict, device_uuid: str, fingerprint: dict, draft:
         except IPCUnavailable as e:
             got["error"] = e
             loading = e.field in ("loading", "starting")
+            if e.retry and not loading and absent_timeout_s is not None:
+                absent_since[:] = absent_since or [seam.clock()]
+                if seam.clock() - absent_since[0] >= absent_timeout_s:
+                    return True  # a daemon that should be serving is gone: waiting will not bring it
             return not ((not cfg.fallback and e.retry) or (cfg.fallback and loading))
-    Seam().wait_until(attached, cfg.state_timeout_s, 0.5)
+    seam.wait_until(attached, cfg.state_timeout_s, 0.5)
+    return got
+
+
+def attach(engine, raw_config: dict, device_uuid: str, fingerprint: dict, draft: bool = False,
+           absent_timeout_s: float | None = None) -> None:
+    """Fill `engine` from the daemon (the draft group's when `draft`), or from disk when
+    allowed; records the result in engine.load_info (ipc = hit | fallback, and why).
+    `absent_timeout_s`: how long a daemon that is not there at all is waited for (a re-attach
+    after a restore: the cache served when the snapshot was taken; None: state_timeout_s)."""
+    import torch
+
+    from restartkit.weightcache.arena import open_cuda, open_memfd, views
+
+    cfg = IPCConfig.parse(raw_config)
+    path = protocol.socket_path(device_uuid, draft, cfg.socket_dir)
+    hello = {"protocol": protocol.PROTOCOL_VERSION, "device_uuid": device_uuid, "fingerprint": fingerprint}
+    t0 = time.perf_counter()
+    got = _attach_waiting(path, hello, cfg, absent_timeout_s)
     if "reply" not in got:
         e = got["error"]
         if not cfg.fallback:
