@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.conftest import ROOT, run_cli
-from tests.helpers import CRIU_MARKS, create, snapshots_dir
+from tests.helpers import CRIU, CRIU_MARKS, create, engines_on, snapshots_dir
 
 pytestmark = CRIU_MARKS
 
@@ -180,3 +180,26 @@ def take_pid(pid: int, argv=("sleep", "300")) -> subprocess.Popen:
         p.kill()
         p.wait()
     pytest.skip(f"could not start a process under PID {pid}")
+
+
+def test_a_restored_engine_stopped_while_criu_restores_is_noticed_in_seconds(served, tmp_path):
+    """Someone SIGSTOPs the restored engine while CRIU is still restoring it: CRIU waits for it
+    for ever (the restart hung for restore_timeout_s, 602 s, and blamed the snapshot).  Watched
+    like a start: noticed in seconds, CRIU and the tree killed, recovery, the snapshot not marked."""
+    policy = served('pid_wait_s = 5.0\nrestore_timeout_s = 600\n')
+    snap = create(policy, "--stop")
+    pid = snap["pid"]
+    w = tmp_path / "criu-and-a-stop"
+    w.write_text(f'#!/bin/sh\n[ "$1" != restore ] && exec {CRIU.path} "$@"\n{CRIU.path} "$@" &\n'
+                 f'while ! kill -0 {pid} 2>/dev/null; do sleep 0.001; done\nkill -STOP {pid}\nwait $!\n')
+    w.chmod(0o755)
+    policy.write_text(policy.read_text().replace("[criu]\n", f'[criu]\ncriu_path = "{w}"\n'))
+    t0 = time.monotonic()
+    code, rec = restart(policy, "--strategy", "criu", "--strict")
+    assert time.monotonic() - t0 < 120, "the restart waited for the stopped tree"
+    assert_recovered(code, rec, "")
+    assert not rec["attempts"][0]["detail"]["snapshot_marked_suspect"], rec["attempts"][0]
+    listing = json.loads(run_cli("snapshot", "list", "--policy", policy, "--json").stdout)["snapshots"]
+    assert not listing[-1]["suspect"]
+    assert engines_on(policy) == [json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]]
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and w.name.encode() in open(f"/proc/{p}/cmdline", "rb").read()]

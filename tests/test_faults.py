@@ -295,6 +295,26 @@ def test_a_restored_engine_stopped_or_killed_by_someone_else_is_cleared_before_r
     assert_clean(policy)
 
 
+@pytest.mark.parametrize("crash", ["SIGSEGV", "SIGBUS", "SIGABRT"])
+def test_a_restored_engine_that_crashes_on_its_own_marks_the_snapshot(served, tmp_path, crash):
+    """Damaged pages that CRIU restores without complaint kill the engine when it touches them (a
+    crash signal of its own: here sent as the kernel would).  That is the snapshot's fault: it is
+    marked, so auto does not try it again; a kill or a stop by someone else is not (above)."""
+    if os.getuid() != 0 or not CRIU.check_ok:
+        pytest.skip("needs root and a working CRIU")
+    policy = served()
+    snap = create(policy)
+    use_criu(policy, criu_wrapper(tmp_path, f"kill -{crash[3:]} $PID"))
+    r = run_cli("restart", "--policy", policy, "--strategy", "criu", "--json")
+    rec = json.loads(r.stdout)
+    assert r.returncode == 0 and rec["served_by"] == "cold" and rec["via_recovery"], rec
+    assert "on its own: its snapshot is at fault" in rec["attempts"][0]["error"], rec["attempts"][0]
+    listing = snapshot_listing(policy)
+    assert listing[-1]["id"] == snap["id"] and listing[-1]["suspect"], listing[-1]
+    assert json.loads(run_cli("plan", "--policy", policy, "--json").stdout)["attempt"] != "criu"
+    assert_clean(policy)
+
+
 def test_zeroed_pages_mark_the_snapshot_and_recovery_still_serves(served):
     if os.getuid() != 0 or not CRIU.check_ok:
         pytest.skip("needs root and a working CRIU")

@@ -56,6 +56,7 @@ def main(argv: list[str]) -> int:
         os.close(ctl)
     engine = pid if mode == "spawn" else None  # restore: the tree CRIU leaves behind, once it is done
     status, ending = None, False
+    early: dict[int, int] = {}
     while True:
         if ending:  # the engine is gone: so are its helpers (their PIDs free, their memory back)
             for child in _children():
@@ -72,11 +73,28 @@ def main(argv: list[str]) -> int:
             os.close(ctl)
             left = _children()
             engine = left[0] if len(left) == 1 else None
+            if not left and len(early) == 1 and spec.get("status_file"):  # it died before CRIU was done
+                _write_status(spec["status_file"], next(iter(early.values())))
+        elif mode == "restore" and engine is None:
+            early[got] = os.waitstatus_to_exitcode(st)  # handed to the keeper and dead before CRIU exited
         elif got == engine:
             status, ending = os.waitstatus_to_exitcode(st), True
+            if mode == "restore" and spec.get("status_file"):
+                _write_status(spec["status_file"], status)
     if mode == "spawn" and status is not None and status < 0:
         _die_like(-status)
     return status if mode == "spawn" and status is not None else 0
+
+
+def _write_status(path: str, status: int) -> None:
+    """How the restored engine ended (its exit code, or minus the signal), for the restore that
+    is watching it: a crash of its own says something about the snapshot, a kill by others does not."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        os.write(fd, str(status).encode())
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def _children() -> list[int]:
@@ -139,6 +157,7 @@ class Control:
 
     def __init__(self, sock):
         self.sock, self.buf = sock, b""
+        self.closed = False  # the keeper closed its end (it is gone): nothing more will come
 
     def read(self, timeout_s: float) -> dict | None:
         """The next message, or None when none came within the timeout or the keeper is gone."""
@@ -154,6 +173,7 @@ class Control:
             except OSError:  # a timeout, or the keeper went away
                 return None
             if not chunk:
+                self.closed = True
                 return None
             self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
@@ -166,11 +186,12 @@ class Control:
         self.sock.close()
 
 
-def start(popen, mode: str, argv: list[str], timeout_s: float = 10.0, **popen_kw):
+def start(popen, mode: str, argv: list[str], timeout_s: float = 10.0, status_file: str | None = None, **popen_kw):
     """Start `argv` under a keeper through `popen` (subprocess.Popen or a seam's); returns
     (the keeper's Popen, the child's PID, the Control: in restore mode the caller reads
     {"exit": N} from it; in spawn mode it is closed).  A child that cannot be started raises
-    OSError, as Popen would."""
+    OSError, as Popen would.  `status_file` (restore mode): where the keeper writes how the restored
+    engine ended."""
     import socket
     mine, theirs = socket.socketpair()
     try:
@@ -185,7 +206,7 @@ def start(popen, mode: str, argv: list[str], timeout_s: float = 10.0, **popen_kw
         theirs.close()
     ctl = Control(mine)
     try:
-        mine.sendall(json.dumps({"argv": [str(a) for a in argv]}).encode())
+        mine.sendall(json.dumps({"argv": [str(a) for a in argv], "status_file": status_file}).encode())
         mine.shutdown(socket.SHUT_WR)
     except OSError:
         pass

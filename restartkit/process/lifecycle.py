@@ -55,15 +55,15 @@ class Started:
 
 def ours(pid: int, since_ticks: int | None) -> bool:
     """Is `pid` a process restartkit started (or restored) since `since_ticks`?  It runs as this
-    user, was created since then, and a keeper of ours (restartkit/process/keeper.py, which every
-    engine and every restore runs under) is among its ancestors.  A PID a snapshot's manifest names,
+    user, was created since then, and is a keeper of ours (restartkit/process/keeper.py, which every
+    engine and every restore runs under) or has one among its ancestors.  A PID a snapshot's manifest names,
     reused by anyone else since (another user's process, an unrelated one), is never ours."""
     if since_ticks is None or owner(pid) != os.getuid():
         return False
     ticks = proc_start_ticks(pid)
     if ticks is None or ticks < since_ticks:
         return False
-    return any(keeper.KEEPER in argv(a) for a in ancestors(pid))
+    return any(keeper.KEEPER in argv(a) for a in [pid, *ancestors(pid)])  # a keeper of ours, or under one
 
 
 class EngineLifecycle:

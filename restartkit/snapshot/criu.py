@@ -15,6 +15,9 @@ import sys
 from pathlib import Path
 
 from restartkit.process import keeper
+from restartkit.process.lifecycle import ours
+from restartkit.process.procfs import kill_tree, now_ticks, proc_start_ticks, proc_state
+from restartkit.process.seam import Seam
 from restartkit.errors import StrategyError
 from restartkit.files import log_tail
 
@@ -42,9 +45,50 @@ def network_lock(binary: str) -> str:
 
 
 class CriuError(StrategyError):
-    def __init__(self, message: str, log_tail: str = ""):
+    def __init__(self, message: str, log_tail: str = "", external: bool = False):
         super().__init__(message, hint="the CRIU log tail is in the record" if log_tail else None)
         self.log_tail = log_tail
+        self.external = external  # someone else stopped or killed what CRIU restored: not the images' fault
+
+
+EXIT_FILE = "restored.exit"  # how the restored engine ended, written by its keeper (restored_exit)
+
+
+def restored_exit(images: Path, wait_s: float = 1.0) -> int | None:
+    """How the engine restored from `images` ended (exit code, or minus the signal), None when it
+    has not ended (or its keeper could not say within `wait_s`)."""
+    got: list[int] = []
+
+    def written() -> bool:
+        try:
+            got.append(int((images / EXIT_FILE).read_text()))
+            return True
+        except (OSError, ValueError):
+            return False
+    Seam().wait_until(written, wait_s)
+    return got[0] if got else None
+
+
+INTERFERED_S = 1.0  # a restored process stopped, or the restored root gone, this long while CRIU still runs
+
+
+def interference(pids: list[int], since_ticks: int, seen: set[int]) -> str | None:
+    """What someone else did to the tree CRIU is restoring (a restored process stopped by a signal,
+    the restored root dead or a zombie), or None.  Only processes this restore created count;
+    `seen` keeps those seen restored, so that a root gone since is known to have died."""
+    for i, p in enumerate(pids):
+        ticks = proc_start_ticks(p)
+        if ticks is None or ticks < since_ticks:
+            if i == 0 and ticks is None and p in seen:
+                return f"the restored process {p} exited while CRIU was restoring it"
+            continue
+        seen.add(p)
+        state = proc_state(p)
+        if state == "T":
+            return f"the restored process {p} was stopped by a signal while CRIU was restoring it"
+        if state in ("Z", "X") and i == 0:
+            return f"the restored process {p} was killed while CRIU was restoring it"
+    return None
 
 
 def _pycriu():
@@ -83,36 +127,68 @@ class Criu:
         self._cli(args, images, log)
 
     def restore(self, images: Path, timeout_s: float, pids: list[int], log_name: str = "restore.log",
-                pidfile_name: str = "restored.pid", extra: list[str] = (), pass_fds: tuple[int, ...] = ()) -> int:
+                pidfile_name: str = "restored.pid", extra: list[str] = (), pass_fds: tuple[int, ...] = (),
+                note_pids=lambda _pids: None) -> int:
         """Always through the CLI, under a deadline: a damaged image can make
         CRIU's restorer spin forever (seen with 4.2.1 on truncated pages).
-        On timeout, CRIU and whatever it half-restored under `pids` are killed.
+        Watched like a start: a restored process stopped or killed by someone else while CRIU
+        runs is noticed within seconds (CriuError, external: not the images' fault).  Either
+        way, CRIU and what it restored under `pids` (only what this restore created) are killed.
+        `note_pids` is told of CRIU's keeper and CRIU before anything waits on them (the intent:
+        a restartkit killed meanwhile leaves them to the next command).
         `extra` and `pass_fds`: more flags, and the descriptors they name (--inherit-fd)."""
         log = images / log_name
         pidfile = images / pidfile_name
         pidfile.unlink(missing_ok=True)
+        (images / EXIT_FILE).unlink(missing_ok=True)
         cmd = [self.binary, "restore", "--restore-detached", "--pidfile", str(pidfile), *extra, "-D", str(images),
                "-o", log.name, *self._common()]
         out = images / (log_name + ".out")
         # under a keeper that adopts the restored tree when CRIU leaves it (a child subreaper): the
         # restored engine's PID is free the moment it exits, for the restore after this one
+        since = now_ticks()
         try:
             with open(out, "wb") as f:
-                _, criu_pid, ctl = keeper.start(subprocess.Popen, "restore", cmd, stdin=subprocess.DEVNULL, stdout=f,
-                                                stderr=f, close_fds=True, pass_fds=pass_fds)
+                keeper_proc, criu_pid, ctl = keeper.start(subprocess.Popen, "restore", cmd, stdin=subprocess.DEVNULL,
+                                                          stdout=f, stderr=f, close_fds=True, pass_fds=pass_fds,
+                                                          status_file=str(images / EXIT_FILE))
         except OSError as e:
             raise CriuError(f"could not run {self.binary}: {e}") from None
+        note_pids([keeper_proc.pid, criu_pid])
         try:
-            reply = ctl.read(timeout_s)
+            reply, why = self._watch(ctl, pids, since, timeout_s)
         finally:
             ctl.close()
-        if reply is None or "exit" not in reply:
-            _kill([criu_pid, *pids])
+        if why is not None or reply is None or "exit" not in reply:
+            kill_tree(keeper_proc.pid)  # CRIU, and what it half-restored under the keeper
+            _kill([p for p in pids if ours(p, since)])  # what it restored and left to the keeper already
+            if why is None and reply is None and ctl.closed:
+                why = (f"CRIU's keeper (PID {keeper_proc.pid}) went away before CRIU was done (killed by someone "
+                       "else?)")
+            if why is not None:
+                raise CriuError(f"{why}; CRIU and what it restored were killed", log_tail(log), external=True)
             raise CriuError(f"criu restore did not finish within {timeout_s:.0f} s; it and the half-restored "
                             "processes were killed", log_tail(log))
         if reply["exit"] != 0:
             raise CriuError(f"criu restore failed (exit {reply['exit']})", log_tail(log) or log_tail(out))
         return int(pidfile.read_text().strip())
+
+    @staticmethod
+    def _watch(ctl, pids: list[int], since: int, timeout_s: float) -> tuple[dict | None, str | None]:
+        """CRIU's exit message from its keeper, or why the restore was given up on."""
+        seam = Seam()
+        deadline = seam.clock() + timeout_s
+        suspicious: dict[str, float] = {}
+        seen: set[int] = set()
+        while True:
+            reply = ctl.read(min(0.25, max(0.0, deadline - seam.clock())))
+            if reply is not None or ctl.closed or seam.clock() >= deadline:
+                return reply, None
+            why = interference(pids, since, seen)
+            if why is None:
+                suspicious.clear()
+            elif seam.clock() - suspicious.setdefault(why, seam.clock()) >= INTERFERED_S:
+                return None, why
 
     def _common(self) -> list[str]:
         flags = ["--tcp-established", "--ext-unix-sk", "--file-locks", "--link-remap", "--ghost-limit", GHOST_LIMIT,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import signal
 import time
 from importlib import metadata
 from dataclasses import dataclass, field
@@ -23,10 +24,10 @@ from typing import Callable
 from restartkit import __version__
 from restartkit.errors import StrategyError, UsageError
 from restartkit.guard.deferred import check_interrupted
-from restartkit.snapshot.criu import Criu, CriuError, put_back_shm
+from restartkit.snapshot.criu import Criu, CriuError, put_back_shm, restored_exit
 from restartkit.snapshot.cudackpt import CudaCheckpoint, uses_cuda
 from restartkit.snapshot.store import Snapshot, SnapshotStore, dir_bytes
-from restartkit.process.engine import EngineProcess
+from restartkit.process.engine import EngineProcess, describe_exit
 from restartkit.process.procfs import comm, environ_and_argv, fd_targets, kill_tree, maps, reap, tree_pids
 from restartkit.process.seam import Seam
 from restartkit.weightcache.fingerprint import local_checkpoint_identity
@@ -403,9 +404,10 @@ def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict, dict]:
     put_back_shm(snap.path)
     service.intent.update(pids=snap.manifest["tree_pids"])
     try:
-        pid = crit.restore(snap.path, service.policy.criu["restore_timeout_s"], snap.manifest["tree_pids"])
+        pid = crit.restore(snap.path, service.policy.criu["restore_timeout_s"], snap.manifest["tree_pids"],
+                           note_pids=lambda pids: service.intent.update(pids=pids))
     except CriuError as e:
-        raise (e if e.message.startswith("could not run") else snapshot_fault(e))
+        raise (e if e.external or e.message.startswith("could not run") else snapshot_fault(e))
     phases["criu_restore"] = round(time.monotonic() - t, 3)
     proc = service.engine.adopt(pid, "criu")
     deadline = time.monotonic() + service.policy.restart["start_timeout_s"]
@@ -429,12 +431,30 @@ def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict, dict]:
         remaining = max(1.0, deadline - time.monotonic())
         proc.wait_ready(lambda: service.adapter.probe(service.policy, timeout=min(30.0, remaining)), remaining)
         phases["ready"] = round(time.monotonic() - t, 3)
+    except StrategyError as e:
+        kill_tree(pid)
+        service.engine.pidfile.unlink(missing_ok=True)
+        raise _blame(e, pid, restored_exit(snap.path)) from None
     except BaseException:
         kill_tree(pid)
         service.engine.pidfile.unlink(missing_ok=True)
         raise
     service.engine.mark_ready(proc, "criu+ipc" if weightless else "criu")
     return proc, phases, load
+
+
+# how a restored engine ends when others end it (a stop, a kill): nothing to do with its images
+EXTERNAL_ENDS = {-signal.SIGKILL, -signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP, -signal.SIGQUIT}
+
+
+def _blame(e: StrategyError, pid: int, ended: int | None) -> StrategyError:
+    """A restored engine that died by itself (a crash signal, an exit of its own) before it served:
+    its images are at fault, and the snapshot is marked.  One that is still alive (a timeout), or
+    that others stopped or killed, says nothing about the snapshot."""
+    if ended is None or ended in EXTERNAL_ENDS:
+        return e
+    return snapshot_fault(StrategyError(f"{e.message}; the restored engine (PID {pid}) {describe_exit(ended)} "
+                                        "on its own: its snapshot is at fault", hint=e.hint))
 
 
 def _no_answer(e: Exception) -> bool:
