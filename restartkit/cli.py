@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -481,13 +482,16 @@ def snapshot_list(policy_path, as_json):
     cur = store.current()
     snaps = store.list()
     rows = [{"id": s.id, "kind": s.manifest.get("kind") or "full",
-             "current": cur is not None and s.id == cur.id, "age_h": round(s.age_s / 3600, 2),
+             "current": cur is not None and s.id == cur.id,
+             "age_h": round(s.age_s / 3600, 2) if math.isfinite(s.age_s) else None,
              "image_bytes": s.manifest.get("image_bytes"), "suspect": s.suspect,
-             "tested": (s.manifest.get("tested") or {}).get("ok")} for s in snaps]
-    text = "\n".join(f"{'*' if r['current'] else ' '} {r['id']}  {r['kind']:<10} {r['age_h']:>6.1f} h  "
+             "tested": (s.manifest.get("tested") or {}).get("ok"), "damaged": s.damaged} for s in snaps]
+    text = "\n".join(f"{'*' if r['current'] else ' '} {r['id']}  {r['kind']:<10} {r['age_h'] if r['age_h'] is not None else '?':>6} h  "
                      f"{(r['image_bytes'] or 0) / 1e6:>8.1f} MB"
                      + {True: "  test-restored", False: "  test restore failed", None: ""}[r["tested"]]
-                     + (f"  SUSPECT: {r['suspect']['reason']}" if r["suspect"] else "") for r in rows) or "no snapshots"
+                     + (f"  SUSPECT: {r['suspect']['reason']}" if r["suspect"] else "")
+                     + (f"  DAMAGED (kept for inspection): {r['damaged']}" if r["damaged"] else "")
+                     for r in rows) or "no snapshots"
     emit({"snapshots": rows, "dir": str(store.root)}, as_json, text)
 
 
@@ -499,6 +503,9 @@ def _pick_snapshot(svc, snapshot_id: str | None):
     snap = store.get(snapshot_id) if snapshot_id else store.current()
     if snap is None:
         raise UsageError(f"no snapshot {snapshot_id or '(current)'} in {store.root}", hint="restartkit snapshot list")
+    if snap.damaged:
+        raise UsageError(f"snapshot {snap.id} is damaged: {snap.damaged}", hint=f"it is kept for inspection in "
+                         f"{snap.path}; take a new one with `restartkit snapshot create`, remove it when done")
     return store, snap
 
 

@@ -240,6 +240,7 @@ def write_snapshot_metrics(state_dir: Path, service: str, store, refresh: str | 
         last = None
     cur = store.current()
     snaps = store.list()
+    cur = None if cur is not None and cur.damaged else cur
     tested = (cur.manifest.get("tested") or {}) if cur else {}
     families = [
         _family("gauge", "restartkit_snapshot_current_created_timestamp_seconds", "When the current snapshot was taken.",
@@ -248,6 +249,8 @@ def write_snapshot_metrics(state_dir: Path, service: str, store, refresh: str | 
                 "1 when the current snapshot passed a test restore, else 0.", [], {(): 1 if tested.get("ok") else 0}, service),
         _family("gauge", "restartkit_snapshot_suspect", "Snapshots on disk marked suspect (a failed restore or test).",
                 [], {(): sum(1 for s in snaps if s.suspect)}, service),
+        _family("gauge", "restartkit_snapshot_damaged", "Snapshots on disk whose manifest cannot be used (kept).",
+                [], {(): sum(1 for s in snaps if s.damaged)}, service),
     ]
     if last:
         families += [

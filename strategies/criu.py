@@ -43,7 +43,9 @@ class CriuStrategy(BaseStrategy):
         if problem := store.trust_problem():
             out["store_problem"] = problem
         snap = store.current()
-        if snap is not None:
+        if snap is not None and snap.damaged:
+            out.update(current=snap.id, damaged=snap.damaged, images_dir=str(snap.path))
+        elif snap is not None:
             tested = snap.manifest.get("tested") or {}
             out.update(current=snap.id, suspect=snap.suspect, age_s=round(snap.age_s), tested=tested.get("ok"),
                        tested_phases=tested.get("phases") if tested.get("ok") else None, images_dir=str(snap.path),
@@ -62,6 +64,9 @@ class CriuStrategy(BaseStrategy):
         from restartkit.snapshot.ops import restore, store_for
         store = store_for(service)
         snap = store.current()
+        if snap is None or snap.damaged:
+            return Outcome(self.name, ok=False, old_still_serving=True,
+                           error="no usable snapshot: " + (snap.damaged if snap else "none"))
         phases: dict[str, float] = {}
         t0 = time.monotonic()
         service.engine.stop()

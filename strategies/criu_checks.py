@@ -96,6 +96,9 @@ def _snapshot_usable(c: dict, policy) -> str | None:
                 "`chmod 700` it, or set [criu] images_dir")
     if not c.get("current"):
         return f"no snapshot yet: take one with `restartkit snapshot create --policy {policy.path}`"
+    if c.get("damaged"):
+        return (f"snapshot {c['current']} is damaged ({c['damaged']}); it is kept for inspection in "
+                f"{c['images_dir']}: take a new one with `restartkit snapshot create --policy {policy.path}`")
     if c.get("suspect"):
         return f"snapshot {c['current']} is marked suspect ({c['suspect']['reason']}); refresh it: restartkit snapshot refresh"
     if c.get("mismatches"):

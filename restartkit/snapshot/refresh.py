@@ -42,14 +42,18 @@ def _refresh(service, facts, force: bool, say) -> int:
     try:
         cur = store.current()
         max_age = service.policy.criu["max_age_h"] * 3600
-        if cur and not force and not cur.suspect and cur.age_s < max_age:
+        if cur and cur.damaged:
+            say(f"{service.policy.name}: snapshot {cur.id} is damaged ({cur.damaged}); it is kept for inspection "
+                "and a new one is taken")
+        if cur and not cur.damaged and not force and not cur.suspect and cur.age_s < max_age:
             miss = mismatches(cur.manifest["identity"], host_identity(service, facts))
             if not miss:
                 say(f"{service.policy.name}: snapshot {cur.id} is current ({cur.age_s / 3600:.1f} h old); nothing to do")
                 return EXIT_OK
             why = f"identity changed ({miss[0]})"
         else:
-            why = "forced" if force else ("no snapshot" if not cur else ("suspect" if cur.suspect else "too old"))
+            why = "forced" if force else ("no snapshot" if not cur else "damaged" if cur.damaged else
+                                          ("suspect" if cur.suspect else "too old"))
         t0 = time.monotonic()
         from restartkit.snapshot.trial import test_restore, why_not
 

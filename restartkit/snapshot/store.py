@@ -8,6 +8,7 @@ never deletes a snapshot: it marks it suspect.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -24,6 +25,7 @@ MANIFEST = "manifest.json"
 class Snapshot:
     path: Path
     manifest: dict
+    damaged: str | None = None  # why the manifest cannot be used (kept for inspection, never restored)
 
     @property
     def id(self) -> str:
@@ -35,7 +37,49 @@ class Snapshot:
 
     @property
     def age_s(self) -> float:
-        return time.time() - self.manifest.get("created_at", 0)
+        """Seconds since it was taken; a time in the future (a clock stepped back, an edited file)
+        counts as infinitely old, so that the next refresh takes it again."""
+        age = time.time() - self.manifest.get("created_at", 0)
+        return age if age > -CLOCK_SKEW_S else math.inf
+
+
+CLOCK_SKEW_S = 300.0
+MANIFEST_TYPES = {"created_at": (int, float), "pid": int, "tree_pids": list, "identity": dict, "canary": dict}
+MANIFEST_OPTIONAL = {"kind": str, "files": dict, "suspect": dict, "phases": dict, "image_bytes": int,
+                     "weight_cache": list, "tested": dict, "gpu": bool, "service": str}
+
+
+def manifest_problem(m) -> str | None:
+    """Why a manifest is not one restartkit wrote (None: it is one).  Every field the restore and the
+    plan read is checked for its type, so that none of them has to."""
+    if not isinstance(m, dict):
+        return f"the manifest is a {type(m).__name__}, not an object"
+    for key, kind in MANIFEST_TYPES.items():
+        if not isinstance(m.get(key), kind) or isinstance(m.get(key), bool):
+            return f"the manifest's {key} is missing or not a {getattr(kind, '__name__', 'number')}"
+    for key, kind in MANIFEST_OPTIONAL.items():
+        if m.get(key) is not None and not isinstance(m[key], kind):
+            return f"the manifest's {key} is not a {kind.__name__}"
+    if not math.isfinite(m["created_at"]):
+        return "the manifest's created_at is not a time"
+    if not m["tree_pids"] or not all(isinstance(p, int) and not isinstance(p, bool) and p > 1 for p in m["tree_pids"]):
+        return "the manifest's tree_pids are not process ids"
+    if m.get("kind") not in (None, "full", "weightless"):
+        return f"the manifest's kind {m['kind']!r} is not full or weightless"
+    return None
+
+
+def load_snapshot(d: Path) -> Snapshot:
+    """The snapshot in `d`, with `damaged` saying why it cannot be used when it cannot."""
+    if d.is_symlink():
+        return Snapshot(d, {}, f"{d} is a symbolic link: snapshots are directories of their own")
+    try:
+        manifest = json.loads((d / MANIFEST).read_text(), parse_constant=lambda c: math.nan)
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
+        return Snapshot(d, {}, f"its manifest cannot be read ({getattr(e, 'strerror', None) or type(e).__name__})")
+    if problem := manifest_problem(manifest):
+        return Snapshot(d, manifest if isinstance(manifest, dict) else {}, problem)
+    return Snapshot(d, manifest)
 
 
 class SnapshotStore:
@@ -59,25 +103,17 @@ class SnapshotStore:
         return path
 
     def list(self) -> list[Snapshot]:
+        """Every snapshot, damaged ones too (`damaged` says why; they are kept for inspection)."""
         if not self.root.is_dir() or self.trust_problem():  # another user's root chooses nothing we restore
             return []
-        out = []
-        for d in sorted(self.root.iterdir()):
-            if d.is_dir() and not d.is_symlink() and (d / MANIFEST).exists():
-                try:
-                    out.append(Snapshot(d, json.loads((d / MANIFEST).read_text())))
-                except ValueError:
-                    continue
-        return out
+        return [load_snapshot(d) for d in sorted(self.root.iterdir())
+                if (d.is_dir() or d.is_symlink()) and d.name != "current" and (d / MANIFEST).exists()]
 
     def get(self, sid: str) -> Snapshot | None:
         d = self.root / sid
-        if self.trust_problem() or d.is_symlink():
+        if self.trust_problem() or "/" in sid or sid in ("", ".", "..") or not (d / MANIFEST).exists():
             return None
-        try:
-            return Snapshot(d, json.loads((d / MANIFEST).read_text()))
-        except (OSError, ValueError):
-            return None
+        return load_snapshot(d)
 
     def current(self) -> Snapshot | None:
         link = self.root / "current"
@@ -115,8 +151,11 @@ class SnapshotStore:
     def prune(self, keep: int) -> list[str]:
         """Keep the newest `keep` complete snapshots and `current`; drop the rest and any leftovers."""
         current = self.current()
-        complete = self.list()
-        keep_ids = {s.id for s in complete[-keep:]} | ({current.id} if current else set())
+        snaps = self.list()
+        complete = [s for s in snaps if not s.damaged]
+        # damaged ones are kept for inspection (`snapshot list` names them; removing them is the operator's call)
+        keep_ids = {s.id for s in complete[-keep:]} | ({current.id} if current else set()) | \
+            {s.id for s in snaps if s.damaged}
         removed = []
         for d in self.root.iterdir() if self.root.is_dir() else []:
             if d.is_symlink() or not d.is_dir() or d.name in keep_ids:
