@@ -213,3 +213,68 @@ def test_bad_command_lines_are_usage_errors_before_anything_starts(make_policy, 
     assert r.returncode == 2, (argv, r.returncode, r.stdout, r.stderr)
     assert "Traceback" not in r.stderr and r.stderr.strip(), r.stderr
     assert not (tmp_path / "state" / "svc" / "engine.json").exists()  # nothing was started
+
+
+# ---- history records and snapshot manifests ------------------------------------------------------
+
+json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**63, max_value=2**63), st.floats(), st.text(max_size=20)),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=12), inner, max_size=5)),
+    max_leaves=20)
+RECORD_KEYS = ["id", "service", "requested", "reason", "started_at", "finished_at", "attempts", "final_state",
+               "served_by", "via_recovery", "recovery_reason", "time_to_ready_s", "first_completion_s", "downtime",
+               "context", "trigger", "proof", "plan"]
+records = st.one_of(json_values, st.fixed_dictionaries({}, optional={k: json_values for k in RECORD_KEYS}),
+                    st.fixed_dictionaries({"started_at": st.floats(), "final_state": st.sampled_from(["serving", 1]),
+                                           "attempts": st.lists(st.one_of(json_values, st.fixed_dictionaries(
+                                               {"strategy": st.sampled_from(["cold", "criu", 3])},
+                                               optional={"proof": json_values, "skipped": json_values,
+                                                         "role": json_values, "ok": json_values,
+                                                         "phases": json_values})), max_size=3)},
+                                          optional={"context": json_values, "time_to_ready_s": json_values,
+                                                    "downtime": json_values, "via_recovery": json_values,
+                                                    "served_by": json_values}))
+
+
+@seed(26)
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rec=records)
+def test_a_record_of_any_shape_is_used_or_skipped_never_raised(rec):
+    """What reads history.jsonl (evidence, history, status) gets only records of the shape it reads."""
+    from restartkit.evidence import summarize
+    from restartkit.policy import parse_policy
+    from restartkit.record import record_problem, render_record
+    problem = record_problem(rec)
+    assert problem is None or isinstance(problem, str)
+    assert isinstance(render_record(rec if isinstance(rec, dict) else {"id": rec}), str)
+    if problem is None:
+        policy = parse_policy({"service": {"name": "s", "model": "/m"}})
+        summarize([rec], rec.get("context") or {}, policy, ["sleep", "criu", "cold"], now=2e9)
+
+
+MANIFEST_KEYS = ["created_at", "pid", "tree_pids", "identity", "canary", "kind", "files", "suspect", "phases",
+                 "image_bytes", "weight_cache", "tested", "gpu", "service"]
+manifests = st.one_of(json_values, st.fixed_dictionaries({}, optional={k: json_values for k in MANIFEST_KEYS}),
+                      st.fixed_dictionaries({"created_at": st.floats(), "pid": st.integers(), "tree_pids":
+                                             st.lists(st.integers(), max_size=3), "identity": json_values,
+                                             "canary": json_values},
+                                            optional={k: json_values for k in MANIFEST_KEYS[5:]}))
+
+
+@seed(27)
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(m=manifests)
+def test_a_manifest_of_any_shape_is_usable_or_named_damaged(tmp_path_factory, m):
+    from restartkit.snapshot.ops import mismatches
+    from restartkit.snapshot.store import MANIFEST, SnapshotStore
+    root = tmp_path_factory.mktemp("snaps")
+    os.chmod(root, 0o700)
+    (root / "s1").mkdir()
+    (root / "s1" / MANIFEST).write_text(json.dumps(m))
+    snap = SnapshotStore(root).get("s1")
+    assert snap is not None
+    if snap.damaged is None:
+        assert isinstance(mismatches(snap.manifest["identity"], {"arch": "x86_64"}), list)
+        assert isinstance(snap.age_s, float)
+    else:
+        assert isinstance(snap.damaged, str)
