@@ -179,11 +179,19 @@ def start(policy_path, wait_s, as_json):
 @state_dir_option
 @friendly
 def stop(policy_path, wait_s, as_json):
-    """Stop the service's engine: SIGTERM, wait, SIGKILL."""
+    """Stop the service's engine: SIGTERM, wait, SIGKILL.  Under `restartkit supervise`, through the
+    supervisor (which stops the engine and exits), so that the stop is not taken for a crash."""
+    from restartkit.commands.supervise import stop_supervisor
+    from restartkit.errors import EngineStartError
     svc = load(policy_path)
+    r = svc.policy.restart
+    try:
+        sup = stop_supervisor(svc.state_dir, r["stop_timeout_s"] + 30, say)
+    except RuntimeError as e:
+        raise EngineStartError(str(e), hint="look at the supervisor's log (journalctl -u restartkit-...), or kill it") from None
     with guarded(svc, "stop", wait_s):
-        how = svc.engine.stop()
-    emit({"state": "stopped", "how": how}, as_json, f"{svc.policy.name}: {how}")
+        how = svc.engine.stop() if svc.current() is not None or sup is None else "stopped by its supervisor"
+    emit({"state": "stopped", "how": how, "supervisor": sup["pid"] if sup else None}, as_json, f"{svc.policy.name}: {how}")
 
 
 @main.command()

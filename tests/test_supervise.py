@@ -219,9 +219,46 @@ def test_when_the_restart_flow_itself_fails_a_crash_still_ends_serving(make_poli
     def broken(*_a, **_kw):
         raise RuntimeError("the flow broke")
     sup.restart = broken
-    rec = sup._restart("crash", {"by": "supervise", "what": "test", "noticed_at": time.time()})
+    try:
+        rec = sup._restart("crash", {"by": "supervise", "what": "test", "noticed_at": time.time()})
+    finally:
+        sup.path.unlink(missing_ok=True)  # it wrote supervisor.json as this test process: not a supervisor
     assert rec is not None and rec.final_state == "serving" and rec.served_by == "cold" and rec.via_recovery
     assert "the restart flow failed (RuntimeError: the flow broke)" in rec.recovery_reason
     assert json.loads(run_cli("status", "--policy", policy, "--json").stdout)["serving"]
     recs = json.loads(run_cli("history", "--policy", policy, "--json").stdout)["records"]
     assert recs[-1]["id"] == rec.id and recs[-1]["trigger"]["noticed_to_serving_s"] > 0
+
+
+def test_one_supervisor_per_service(supervised):
+    s = supervised()
+    r = run_cli("supervise", "--policy", s.policy, timeout=60)
+    assert r.returncode == 75, r.stdout + r.stderr
+    assert f"is supervised already (PID {s.proc.pid}" in r.stderr, r.stderr
+    assert s.proc.poll() is None and s.status()["serving"]
+
+
+def test_restartkit_stop_under_supervise_stops_through_the_supervisor(supervised):
+    """Once, `restartkit stop` under supervise became a crash restart: the engine came back."""
+    s = supervised()
+    engine = s.status()["pid"]
+    r = run_cli("stop", "--policy", s.policy, "--json", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["supervisor"] == s.proc.pid
+    assert s.proc.wait(60) == 0  # its own stop: exit 0, so its unit does not restart it
+    time.sleep(2)
+    st = s.status()
+    assert not st["running"] and st["supervisor"] is None and not os.path.exists(f"/proc/{engine}")
+    assert s.records() == []  # no crash restart
+
+
+def test_restartkit_sleep_under_supervise_is_no_hang(supervised, make_policy):
+    s = supervised(make_policy(extra="\n[sleep]\nenabled = true\nlevel = 1\n"))
+    engine = s.status()["pid"]
+    r = run_cli("sleep", "--policy", s.policy, "--wait", "30", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    time.sleep(8)  # longer than health_misses x health_interval and completion_interval_s: a hang would be acted on
+    assert s.records() == [] and s.status()["pid"] == engine
+    r = run_cli("wake", "--policy", s.policy, "--wait", "30", "--json", timeout=120)
+    assert r.returncode == 0 and json.loads(r.stdout)["served_by"] == "sleep", r.stdout + r.stderr
+    assert s.status()["serving"] and s.status()["pid"] == engine

@@ -28,7 +28,8 @@ from restartkit.record import Record, write_record
 from restartkit.snapshot.store import MANIFEST
 from restartkit.process.engine import EngineProcess
 from restartkit.process.lifecycle import ours
-from restartkit.process.procfs import kill_tree, proc_start_ticks, proc_state, tree_pids
+from restartkit.process import keeper
+from restartkit.process.procfs import argv, kill_tree, listeners, proc_start_ticks, proc_state, tree_pids
 
 # commands after which the service was meant to serve
 SERVING_COMMANDS = {"restart", "start", "wake", "snapshot restore", "snapshot create", "snapshot refresh", "rollout",
@@ -45,11 +46,15 @@ def reconcile(service, say: Callable[[str], None], recover: bool = True) -> dict
     say(f"{service.policy.name}: an interrupted `restartkit {command}` (PID {stale.get('pid')}) left work unfinished; "
         "reconciling")
     adopted, stopped = None, []
-    for pid in candidates(service, stale):
+    found = candidates(service, stale)
+    # engines first; keepers (a restore's, an engine's) last: the keeper of an adopted engine stays with it
+    for pid in sorted(found, key=lambda p: keeper.KEEPER in argv(p)):
         _continue_if_stopped(pid, say, service.seam)
-        if adopted is None and _try_adopt(service, pid, stale, say):
+        if adopted is None and keeper.KEEPER not in argv(pid) and _try_adopt(service, pid, stale, say):
             adopted = pid
             continue
+        if adopted is not None and adopted in tree_pids(pid):
+            continue  # its parent (the keeper that reaps it, or CRIU that restored it): not ours to end
         kill_tree(pid)
         stopped.append(pid)
     if stopped:
@@ -100,6 +105,9 @@ def _continue_if_stopped(pid: int, say, seam) -> None:
 
 def _try_adopt(service, pid: int, stale: dict, say) -> bool:
     adapter, policy = service.adapter, service.policy
+    recorded = service.current()
+    if (recorded is None or recorded.pid != pid) and pid not in listeners(policy.service["port"]):
+        return False  # whoever answers on the port, it is not this process (a keeper, CRIU)
     weights = stale.get("kv_dropped") == "weights" or stale.get("strategy") == "criu+ipc"
     if stale.get("kv_dropped") or stale.get("strategy") in ("criu", "criu+ipc"):
         try:  # a restored engine, or one snapshotted, waits for its KV cache (and its weights: weights-less)

@@ -24,6 +24,7 @@ new engine is adopted, not treated as a crash.  State: supervisor.json in the st
 from __future__ import annotations
 
 import collections
+import fcntl
 import os
 import select
 import signal
@@ -35,8 +36,9 @@ from typing import Callable
 from restartkit.errors import EXIT_SERVING
 from restartkit.files import write_json_atomic
 from restartkit.commands.reconcile import guarded
-from restartkit.guard.lock import lock_holder
-from restartkit.process.procfs import holder_alive, kill_tree, proc_start_ticks
+from restartkit.guard.lock import BusyError, lock_holder
+from restartkit.guard.preflight import preflight_writable
+from restartkit.process.procfs import argv, holder_alive, kill_tree, proc_start_ticks
 from restartkit.process.states import ProcState
 
 EXIT_GAVE_UP = 1  # what systemd's Restart=on-failure and Kubernetes act on
@@ -84,6 +86,8 @@ class Supervisor:
     def run(self) -> int:
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(s, lambda signum, _frame: self.signals.append(signum))
+        preflight_writable(self.service.state_dir)
+        self._only = self._one_supervisor()
         try:
             if not self._first_start():
                 return self._give_up("the engine did not start")
@@ -92,6 +96,20 @@ class Supervisor:
             return self._watch()
         finally:
             self.path.unlink(missing_ok=True)
+            os.close(self._only)
+
+    def _one_supervisor(self) -> int:
+        """One supervisor per service: a lock held for supervise's whole life (closing it releases it)."""
+        path = self.service.state_dir / "supervise.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            other = read_state(self.service.state_dir) or {}
+            raise BusyError(f"{self.service.policy.name} is supervised already (PID {other.get('pid', '?')} runs "
+                            "`restartkit supervise`)", hint="one supervisor per service: stop that one first") from None
+        return fd
 
     def _warm_up(self) -> None:
         """Plan a crash restart once, for nothing, while the engine serves: the first real one then
@@ -145,6 +163,8 @@ class Supervisor:
                 last_completion = time.monotonic()
             else:
                 what = None
+            if what is not None and self._asleep(proc):  # `restartkit sleep` put it to sleep: no hang
+                misses, last_completion, what = 0, time.monotonic(), None
             if what is None:
                 if healthy and self.notify.watchdog_s:
                     self.notify.send("WATCHDOG=1")
@@ -169,7 +189,22 @@ class Supervisor:
 
     # ---- probes --------------------------------------------------------------------
     def _busy(self, proc) -> bool:
-        return proc.state is not ProcState.READY or lock_holder(self.service.state_dir) is not None
+        """Not ours to judge: the engine is still starting, or another command works on it (for as long
+        as a restart may take: a command that holds the lock past that does not stop hang detection)."""
+        if proc.state is not ProcState.READY:
+            return True
+        holder = lock_holder(self.service.state_dir)
+        if holder is None:
+            return False
+        since = holder.get("since") if isinstance(holder.get("since"), (int, float)) else time.time()
+        return time.time() - since < self._lock_wait()
+
+    def _asleep(self, proc) -> bool:
+        """Put to sleep through restartkit (`restartkit sleep`): not a hang; `restartkit wake` wakes it."""
+        try:
+            return bool(self.service.adapter.sleep_state(self.service.policy, proc.pid).get("asleep"))
+        except Exception:
+            return False
 
     def _healthy(self) -> bool:
         try:
@@ -344,6 +379,27 @@ class Supervisor:
                 "interval_s": window, "restarts": self.history[-20:]})
         except OSError as e:
             self.say(f"restartkit supervise: could not write {self.path} ({e.strerror or e})")
+
+
+def stop_supervisor(state_dir, timeout_s: float, say: Callable[[str], None]) -> dict | None:
+    """`restartkit stop` under a supervisor: ask the supervisor to stop (its own SIGTERM: it stops the
+    engine and exits 0, so neither it nor its unit takes the stop for a crash); returns its state,
+    None when no supervisor runs.  RuntimeError when it did not exit within `timeout_s`."""
+    from restartkit.process.seam import Seam
+    sup = read_state(state_dir)
+    if sup is None:
+        return None
+    if "supervise" not in argv(sup["pid"]):  # signal only a process that is a supervisor, whatever a file says
+        say(f"{state_dir / 'supervisor.json'} names PID {sup['pid']}, which is not `restartkit supervise`: ignored")
+        return None
+    say(f"the engine is supervised by PID {sup['pid']} (restartkit supervise): stopping it through its supervisor")
+    try:
+        os.kill(sup["pid"], signal.SIGTERM)
+    except ProcessLookupError:
+        return sup
+    if not Seam().wait_until(lambda: not holder_alive(sup), timeout_s, 0.1):
+        raise RuntimeError(f"the supervisor (PID {sup['pid']}) did not exit within {timeout_s:.0f} s")
+    return sup
 
 
 def read_state(state_dir) -> dict | None:

@@ -56,9 +56,12 @@ def ancestors(pid: int, limit: int = 64) -> list[int]:
 
 
 def holder_alive(info: dict) -> bool:
-    """Does the process a record names ({"pid", "start_ticks"}) still run?"""
+    """Does the process a record names ({"pid", "start_ticks"}) still run (a zombie does not)?"""
     pid = info.get("pid")
-    return bool(pid) and proc_start_ticks(pid) is not None and proc_start_ticks(pid) == info.get("start_ticks")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    ticks = proc_start_ticks(pid)
+    return ticks is not None and ticks == info.get("start_ticks") and not exited(pid)
 
 
 def now_ticks() -> int:
