@@ -55,6 +55,7 @@ class ServiceFacts:
     overlap_problem: str | None = None  # why this engine cannot be prepared beside the old one, if it cannot
     engine_notes: list[str] = field(default_factory=list)  # what plan says about this engine beyond the reasons
     model_digest: str | None = None  # the weights' identity (a local checkpoint's digest), for evidence
+    loaded_digest: str | None = None  # the digest of the weights the running engine was started with (engine.json)
     stats: dict = field(default_factory=dict)  # what the live engine reports about itself (load, phases, sleep)
 
 
@@ -84,8 +85,8 @@ class Facts:
     strategy: dict[str, dict] = field(default_factory=dict)
     # what this service measured about each strategy (history, estimates), by strategy name
     evidence: dict[str, Evidence] = field(default_factory=dict)
-    # what gathering the evidence passed over (malformed history records, say): plan says it
-    evidence_notes: list[str] = field(default_factory=list)
+    # what gathering the facts noticed (malformed history records, weights changed on disk): plan says it
+    notes: list[str] = field(default_factory=list)
 
     def of(self, name: str) -> dict:
         return self.strategy.get(name) or {}

@@ -95,16 +95,16 @@ def summarize(records: list[dict], ctx: dict, policy, names, now: float) -> dict
 def gather(service, facts: Facts, names, now: float | None = None) -> dict[str, Evidence]:
     """Measured evidence from the history, then estimates where there is none.  Evidence is
     advice, never a reason a restart cannot run: a history that cannot be read, or records that
-    are not restartkit's, are passed over and said (facts.evidence_notes), never raised."""
+    are not restartkit's, are passed over and said (facts.notes), never raised."""
     now = time.time() if now is None else now
     ctx = context(facts, service.policy)
     history = load_history(service.state_dir, HISTORY_LINES)
     if note := history.note():
-        facts.evidence_notes.append(note)
+        facts.notes.append(note)
     try:
         evidence = summarize(history.records, ctx, service.policy, names, now)
     except Exception as e:  # a record of a shape no check foresaw: ranked by the built-in order, and said
-        facts.evidence_notes.append(f"history.jsonl not used ({type(e).__name__}: {e}); ranked by the built-in order")
+        facts.notes.append(f"history.jsonl not used ({type(e).__name__}: {e}); ranked by the built-in order")
         evidence = {name: Evidence(name) for name in names}
     if history.problem:
         for ev in evidence.values():

@@ -69,7 +69,7 @@ def make_plan(facts: Facts, policy, requested: str, strategies: dict, overlap: b
     plan = Plan(requested=requested, reason=facts.reason, order=order, verdicts=verdicts, attempt=attempt, notes=notes,
                 ranked_by=ranked_by, expected=expected)
     notes.extend(facts.service.engine_notes)
-    notes.extend(facts.evidence_notes)
+    notes.extend(facts.notes)
     host = policy.service["host"]
     if host not in LOOPBACK and not host.startswith("127."):
         notes.append(f"[service] host binds {host}: other hosts reach the completions; the admin and sleep "

@@ -24,6 +24,13 @@ def gather_facts(service: Service, reason: str, run_criu_check: bool = True) -> 
     its live engine, then each strategy's own facts (a strategy that cannot ask says why)."""
     host = host_facts.gather(service.state_dir, service.policy.criu["criu_path"], run_criu_check=run_criu_check)
     facts = Facts(host=host, service=service.service_facts(), reason=reason)
+    sf = facts.service
+    if reason == "restart" and sf.loaded_digest and sf.model_digest and sf.loaded_digest != sf.model_digest:
+        # the running engine serves other weights than those on disk: whatever restarts it serves new weights
+        facts.reason = "weights"
+        facts.notes.append("the weights on disk changed since the running engine loaded them: restarting for new "
+                           "weights (strategies that bring back the old ones are not eligible, the canary is not "
+                           "compared); say --reason weights for such restarts")
     for name, strategy in all_strategies().items():
         try:
             facts.strategy[name] = strategy.gather(service, facts)

@@ -83,6 +83,7 @@ class Service:
         proc = self.engine.current()
         if proc is not None:
             sf.engine_running, sf.pid, sf.start_ticks = True, proc.pid, proc.start_ticks
+            sf.loaded_digest = self.engine.recorded().get("model_digest")
             # a hung engine must cost seconds here, not the minutes a loaded one may take to answer
             sf.engine_ready, sf.engine_answered = self.probe(timeout_s=FACT_TIMEOUT_S)
             try:  # a busy engine may queue a completion past the probe's timeout; its stats answer at once

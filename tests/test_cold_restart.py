@@ -231,3 +231,26 @@ def test_an_engine_that_ignores_sigterm_is_killed_and_replaced(make_policy, serv
     finally:
         if stubborn.poll() is None:
             stubborn.kill()
+
+
+def test_a_restart_after_the_weights_changed_on_disk_serves_them_and_says_so(make_policy, service_cleanup, tmp_path,
+                                                                               tiny_model):
+    """The weights were replaced on disk while the engine served the old ones: a plain restart serves
+    the new ones, and that is no failure (it said "not serving", exit 1, while serving the new weights)."""
+    import shutil
+    from restartkit.reference.checkpoint import write_checkpoint
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    policy = make_policy(model=str(model))
+    service_cleanup(policy)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    other = write_checkpoint(tmp_path / "other", "tiny", seed=7)
+    for f in other.glob("*.safetensors"):
+        shutil.copy(f, model / f.name)
+    r = run_cli("restart", "--policy", policy, "--json")
+    rec = json.loads(r.stdout)
+    assert r.returncode == 0 and rec["final_state"] == "serving" and not rec["via_recovery"], rec
+    assert any("weights on disk changed" in n for n in rec["plan"]["notes"]), rec["plan"]["notes"]
+    assert rec["proof"].get("canary_identical") is None  # not compared: new weights answer otherwise
+    again = json.loads(run_cli("restart", "--policy", policy, "--json").stdout)  # the engine now serves what is on disk
+    assert again["proof"]["canary_identical"] is True and not any("weights on disk" in n for n in again["plan"]["notes"])

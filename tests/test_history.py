@@ -95,7 +95,7 @@ def test_evidence_passes_over_bad_records_and_says_so(tmp_path):
     write(tmp_path / "history.jsonl", [*BAD_LINES, json.dumps({**GOOD, "context": ctx, "started_at": 1e12})])
     ev = gather(svc, f, ["sleep", "cold"], now=1e12 + 10)
     assert ev["cold"].source == "measured" and ev["cold"].time_s == 2.0
-    assert f.evidence_notes == [f"history.jsonl: {len(BAD_LINES)} malformed record(s) skipped"]
+    assert f.notes == [f"history.jsonl: {len(BAD_LINES)} malformed record(s) skipped"]
 
 
 @pytest.mark.slow

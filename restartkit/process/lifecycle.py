@@ -53,6 +53,14 @@ class Started:
     ready_at: float = 0.0  # time.monotonic() when the readiness probe passed
 
 
+def _disk_digest(model: str) -> str | None:
+    from restartkit.weightcache.fingerprint import local_checkpoint_identity
+    try:
+        return local_checkpoint_identity(model)
+    except Exception:  # no safetensors, unreadable: nothing to compare later
+        return None
+
+
 def ours(pid: int, since_ticks: int | None) -> bool:
     """Is `pid` a process restartkit started (or restored) since `since_ticks`?  It runs as this
     user, was created since then, and is a keeper of ours (restartkit/process/keeper.py, which every
@@ -223,11 +231,19 @@ class EngineLifecycle:
         self._write_pidfile(proc, strategy, ready=True)
 
     def _write_pidfile(self, proc: EngineProcess, strategy: str, ready: bool) -> None:
-        write_json_atomic(self.pidfile, {
-            "pid": proc.pid, "create_time": proc.create_time, "start_ticks": proc.start_ticks,
-            "port": self.policy.service["port"],
-            "strategy": strategy, "ready": ready, "written_at": time.time(),
-        })
+        record = {"pid": proc.pid, "create_time": proc.create_time, "start_ticks": proc.start_ticks,
+                  "port": self.policy.service["port"], "strategy": strategy, "ready": ready, "written_at": time.time()}
+        if ready:  # the weights it serves: what is on disk now (the digests are cached; off the path to ready)
+            record["model_digest"] = _disk_digest(self.policy.service["model"])
+        write_json_atomic(self.pidfile, record)
+
+    def recorded(self) -> dict:
+        """engine.json as written ({} when there is none or it cannot be read)."""
+        try:
+            data = json.loads(self.pidfile.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
 
     def hand_over(self) -> Handover:
         """Stop the old engine the fast way for a restart: SIGTERM, and return
