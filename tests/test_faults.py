@@ -425,3 +425,59 @@ def test_a_running_engine_keeps_its_weights_when_the_file_changes_under_it(make_
     from restartkit.engines.reference import ReferenceAdapter
     from restartkit.policy import load_policy
     assert ReferenceAdapter().canary(load_policy(policy)) == canary
+
+
+@needs_root
+def test_a_full_images_disk_is_named_at_the_dump(served):
+    """CRIU itself says 'Error(0): Unknown' when the images' disk fills up during a dump."""
+    policy = served()
+    before = status(policy)["pid"]
+    images = state_dir(policy) / "snapshots"
+    images.mkdir(mode=0o700, exist_ok=True)
+    cmd = " ".join(map(str, [*RESTARTKIT, "snapshot", "create", "--policy", policy]))
+    r = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=8m,mode=0700 tmpfs {images} && exec {cmd}"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert f"no space left on the disk of {images}" in r.stderr and "ENOSPC" in r.stderr, r.stderr
+    st = status(policy)
+    assert st["serving"] and st["pid"] == before  # the engine was put back and keeps serving
+    assert_clean(policy)
+
+
+def _zombie_on(pid: int) -> subprocess.Popen:
+    """A zombie under `pid` whose parent (returned) never collects it (root: steer the kernel's next PID)."""
+    for _ in range(50):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 2))
+        parent = subprocess.Popen(["sh", "-c", "sleep 0 & exec sleep 300"])
+        for _ in range(100):
+            try:
+                state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                state = None
+            if state and state[0] == "Z" and int(state[1]) == parent.pid:
+                return parent
+            time.sleep(0.01)
+        parent.kill()
+        parent.wait()
+    pytest.skip(f"could not leave a zombie under PID {pid}")
+
+
+@needs_root
+def test_a_zombie_on_a_snapshots_pid_is_named_at_once(served):
+    """A zombie's PID is free only when its parent collects it: waiting out pid_wait_s (26.7 s once)
+    buys nothing.  Named with its parent, left alone, and the restart recovers at once."""
+    policy = served(criu_extra='pid_wait_s = 60.0\n')
+    snap = create(policy, "--stop")
+    parent = _zombie_on(snap["pid"])
+    try:
+        t0 = time.monotonic()
+        r = run_cli("restart", "--policy", policy, "--strategy", "criu", "--json")
+        rec = json.loads(r.stdout)
+        assert rec["served_by"] == "cold" and rec["via_recovery"], rec
+        assert f"a zombie its parent PID {parent.pid} has not collected" in rec["recovery_reason"], rec["recovery_reason"]
+        assert time.monotonic() - t0 < 50  # pid_wait_s is 60: it was waited out
+        assert parent.poll() is None  # not ours: left alone
+    finally:
+        parent.kill()
+        parent.wait()

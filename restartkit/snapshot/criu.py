@@ -210,7 +210,8 @@ class Criu:
             raise CriuError(f"criu {args[0]} did not finish within {timeout_s:.0f} s; it and the half-restored "
                             "processes were killed", log_tail(log)) from None
         if r.returncode != 0:
-            raise CriuError(f"criu {args[0]} failed (exit {r.returncode})", log_tail(log) or r.stderr[-2000:])
+            raise CriuError(f"criu {args[0]} failed (exit {r.returncode}){_full_disk(log, images)}",
+                            log_tail(log) or r.stderr[-2000:])
 
     def _rpc(self, op: str, images: Path, log: Path, pid: int | None = None, leave_running: bool = False) -> int | None:
         pycriu = self.pycriu
@@ -237,9 +238,29 @@ class Criu:
             resp = c.restore()
             return int(resp.pid)
         except pycriu.CRIUException as e:
-            raise CriuError(f"criu {op} (RPC) failed: {e}", log_tail(log)) from None
+            raise CriuError(f"criu {op} (RPC) failed: {_why(e, log, images)}", log_tail(log)) from None
         finally:
             os.close(fd)
+
+
+def _full_disk(log: Path, images: Path) -> str:
+    """'; the disk of IMAGES is full' when CRIU's log says so (its own message is 'Error(0): Unknown')."""
+    try:
+        full = "No space left on device" in log.read_text(errors="replace") or "(28)" in log.read_text(errors="replace")
+    except OSError:
+        full = False
+    if not full:
+        import shutil
+        try:
+            full = shutil.disk_usage(images).free < 16 << 20
+        except OSError:
+            pass
+    return (f": no space left on the disk of {images} (ENOSPC): free space there or set [criu] images_dir "
+            "elsewhere") if full else ""
+
+
+def _why(e, log: Path, images: Path) -> str:
+    return (_full_disk(log, images) or f": {e}").lstrip(": ")
 
 
 def _kill(pids) -> None:

@@ -28,7 +28,8 @@ from restartkit.snapshot.criu import Criu, CriuError, put_back_shm, restored_exi
 from restartkit.snapshot.cudackpt import CudaCheckpoint, uses_cuda
 from restartkit.snapshot.store import Snapshot, SnapshotStore, dir_bytes
 from restartkit.process.engine import EngineProcess, describe_exit
-from restartkit.process.procfs import comm, environ_and_argv, fd_targets, kill_tree, maps, reap, tree_pids
+from restartkit.process.procfs import (comm, environ_and_argv, fd_targets, kill_tree, maps, parent, proc_state, reap,
+                                       tree_pids)
 from restartkit.process.seam import Seam
 from restartkit.weightcache.fingerprint import local_checkpoint_identity
 
@@ -360,7 +361,8 @@ def wait_pids_free(pids: list[int], deadline_s: float, seam: Seam | None = None)
         for p in pids:
             reap(p)
         taken[:] = [p for p in pids if os.path.exists(f"/proc/{p}")]
-        return not taken
+        # a zombie that is not ours waits for its parent, not for us: no use waiting out the deadline
+        return not taken or all(proc_state(p) == "Z" and parent(p) != os.getpid() for p in taken)
     (seam or Seam()).wait_until(free, deadline_s)
     return taken
 
@@ -389,7 +391,8 @@ def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict, dict]:
     taken = wait_pids_free(snap.manifest["tree_pids"], service.policy.criu["pid_wait_s"], service.seam)
     phases["wait_pids"] = round(time.monotonic() - t, 3)
     if taken:
-        holders = ", ".join(f"{p} ({comm(p)})" for p in taken)
+        holders = ", ".join(f"{p} ({comm(p)}" + (f", a zombie its parent PID {parent(p)} has not collected)"
+                                                  if proc_state(p) == "Z" else ")") for p in taken)
         raise StrategyError(f"the snapshot's PIDs are taken: {holders}",
                             hint="CRIU restores processes under their old PIDs; they stayed taken past [criu] pid_wait_s")
     if holder := service.engine.port_holder():
