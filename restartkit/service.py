@@ -96,9 +96,13 @@ class Service:
     # ---- canary -------------------------------------------------------------------
     def canary(self) -> list[list[int]]:
         tokens = self.adapter.canary(self.policy)
-        self.ensure_state_dir()
-        write_json_atomic(self.canary_path, {"taken_at": time.time(), "model": self.policy.service["model"],
-                                             "prompts": self.policy.restart["canary_prompts"], "tokens": tokens})
+        try:
+            self.ensure_state_dir()
+            write_json_atomic(self.canary_path, {"taken_at": time.time(), "model": self.policy.service["model"],
+                                                 "prompts": self.policy.restart["canary_prompts"], "tokens": tokens})
+        except OSError:
+            if not self.engine.degraded:
+                raise
         return tokens
 
     def stored_canary(self) -> tuple[list[list[int]] | None, str]:

@@ -12,7 +12,7 @@ import pytest
 
 from restartkit.commands.supervise import Notifier
 from tests.conftest import RESTARTKIT, ROOT, run_cli
-from tests.helpers import ipc_policy, start_preload
+from tests.helpers import engines_on, ipc_policy, start_preload
 
 pytestmark = pytest.mark.slow
 
@@ -262,3 +262,40 @@ def test_restartkit_sleep_under_supervise_is_no_hang(supervised, make_policy):
     r = run_cli("wake", "--policy", s.policy, "--wait", "30", "--json", timeout=120)
     assert r.returncode == 0 and json.loads(r.stdout)["served_by"] == "sleep", r.stdout + r.stderr
     assert s.status()["serving"] and s.status()["pid"] == engine
+
+
+def test_a_state_dir_that_turns_read_only_never_stops_crash_recovery(supervised):
+    """Once serving, the state dir turns read-only (here: immutable).  A crash still comes back: the
+    engine's log and the record go to supervise's stderr until the dir can be written again."""
+    s = supervised()
+    state = s.policy.parent / "state" / "svc"
+    engine = s.status()["pid"]
+    if subprocess.run(["chattr", "+i", str(state)], capture_output=True).returncode != 0:
+        pytest.skip("no immutable flag here")
+    try:
+        os.kill(engine, signal.SIGKILL)
+        port = int(s.policy.read_text().split("port = ")[1].split()[0])
+        deadline = time.monotonic() + 120
+        back = []
+        while time.monotonic() < deadline and not back:
+            back = [p for p in engines_on(s.policy) if p != engine]
+            time.sleep(0.2)
+        assert back, "the crash was not restarted while the state dir was read-only"
+        from restartkit.http import post
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                out = post(f"http://127.0.0.1:{port}/v1/completions", {"prompt": "hi", "max_tokens": 2}, timeout=5)
+                break
+            except Exception:
+                time.sleep(0.2)
+        assert out["choices"], out
+        assert s.proc.poll() is None
+    finally:
+        subprocess.run(["chattr", "-i", str(state)], capture_output=True)
+    os.killpg(s.proc.pid, signal.SIGTERM)
+    assert s.proc.wait(60) == 0
+    out = s.proc.stdout.read()
+    assert "supervising without a lock or records on disk" in out and "could not write the record" in out, out
+    assert "can be written again" in out, out
+    assert engines_on(s.policy) == []  # the engine started meanwhile was found and stopped

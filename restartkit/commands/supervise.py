@@ -24,6 +24,7 @@ new engine is adopted, not treated as a crash.  State: supervisor.json in the st
 from __future__ import annotations
 
 import collections
+import contextlib
 import fcntl
 import os
 import select
@@ -33,7 +34,7 @@ import threading
 import time
 from typing import Callable
 
-from restartkit.errors import EXIT_SERVING
+from restartkit.errors import EXIT_SERVING, UsageError
 from restartkit.files import write_json_atomic
 from restartkit.commands.reconcile import guarded
 from restartkit.guard.lock import BusyError, lock_holder
@@ -242,7 +243,7 @@ class Supervisor:
         noticed = time.time()
         self.say(f"{self.service.policy.name}: {what}")
         # another restartkit command may be restarting the engine: wait for its lock, then look again
-        with guarded(self.service, "supervise", self._lock_wait(), self.say, defer_signals=False):
+        with self._guarded("supervise"):
             proc = self.service.current()
             if proc is not None and proc.pid != pid and self.service.is_ready():
                 self.say(f"{self.service.policy.name}: PID {proc.pid} serves now (restarted by another command); "
@@ -282,7 +283,9 @@ class Supervisor:
             threading.Thread(target=ping, daemon=True).start()
         self.notify.send(f"STATUS=restarting ({reason}): {trigger['what']}")
         try:
-            with guarded(svc, f"supervise restart ({reason})", self._lock_wait(), self.say, defer_signals=False):
+            with self._guarded(f"supervise restart ({reason})"):
+                if svc.engine.degraded:  # the restart flow writes its intent and records: a plain start instead
+                    raise RuntimeError("the state dir cannot be written")
                 rec = self.restart(svc, "auto", reason=reason, say=self.say, trigger=trigger)
         except Exception as e:
             why = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
@@ -312,7 +315,7 @@ class Supervisor:
                      trigger=dict(trigger))
         rec.via_recovery, rec.recovery_reason = True, f"the restart flow failed ({why}); a plain cold start"
         try:
-            with guarded(svc, f"supervise restart ({reason})", self._lock_wait(), self.say, defer_signals=False):
+            with self._guarded(f"supervise restart ({reason})"):
                 if svc.current() is None:
                     started = svc.engine.start("cold")
                     svc.canary()
@@ -331,7 +334,7 @@ class Supervisor:
         svc = self.service
         self.notify.send("STOPPING=1", f"STATUS=stopping ({why})")
         self.say(f"{svc.policy.name}: {why}: stopping the engine")
-        with guarded(svc, "supervise stop", self._lock_wait(), self.say, defer_signals=False):
+        with self._guarded("supervise stop"):
             how = svc.engine.stop()
         self.say(f"{svc.policy.name}: {how}")
         return EXIT_SERVING
@@ -339,7 +342,7 @@ class Supervisor:
     def _give_up(self, why: str) -> int:
         svc = self.service
         try:
-            with guarded(svc, "supervise stop", self._lock_wait(), self.say, defer_signals=False):
+            with self._guarded("supervise stop"):
                 svc.engine.stop()
         except Exception as e:
             self.say(f"{svc.policy.name}: could not stop the engine: {getattr(e, 'message', None) or e}")
@@ -355,6 +358,31 @@ class Supervisor:
         while self.signals and self.signals[0] == signal.SIGHUP:
             self.signals.popleft()
         return True
+
+    @contextlib.contextmanager
+    def _guarded(self, command: str):
+        """guarded() as every command runs it.  When the state dir cannot be written any more (it
+        turned read-only under a serving engine), the work still runs, degraded: no lock or intent
+        (no other command can take them either), the engine's log on our stderr, records on stderr,
+        until it can be written again."""
+        svc = self.service
+        try:
+            preflight_writable(svc.state_dir)
+        except UsageError as e:
+            if not svc.engine.degraded:
+                self.say(f"restartkit supervise: {e.message}; supervising without a lock or records on disk "
+                         "until it can be written (the engine's log and the records go to stderr)")
+            svc.engine.degraded = True
+            yield []
+            return
+        if svc.engine.degraded:
+            svc.engine.degraded = False
+            self.say(f"restartkit supervise: the state dir {svc.state_dir} can be written again")
+            last = svc.engine.last
+            if last is not None and last.alive():
+                svc.engine.mark_ready(last, "cold")  # the engine started meanwhile gets its engine.json
+        with guarded(svc, command, self._lock_wait(), self.say, defer_signals=False) as got:
+            yield got
 
     def _lock_wait(self) -> float:
         r = self.service.policy.restart

@@ -82,6 +82,11 @@ class EngineLifecycle:
                  note_pids: Callable[[list[int]], None] = lambda _pids: None):
         self.policy, self.adapter, self.adapter_problem = policy, adapter, adapter_problem
         self.state_dir, self.seam, self.note_pids = state_dir, seam, note_pids
+        # Degraded: the state dir cannot be written (it turned read-only under a supervisor).  The engine
+        # is still started and watched: its log goes to our stderr, engine.json is not written, and the
+        # engine last started or adopted is kept here instead.
+        self.degraded = False
+        self.last: EngineProcess | None = None
 
     @property
     def pidfile(self) -> Path:
@@ -93,6 +98,8 @@ class EngineLifecycle:
 
     def current(self) -> EngineProcess | None:
         """The engine this service started, if it still runs (PID and start time match)."""
+        if self.degraded and self.last is not None and self.last.alive():
+            return self.last
         try:
             info = json.loads(self.pidfile.read_text())
         except (OSError, ValueError):
@@ -189,7 +196,8 @@ class EngineLifecycle:
 
     def spawn(self, strategy: str, extra_args=(), extra_env: dict | None = None) -> tuple[EngineProcess, int]:
         """Start the engine process (output appended to the engine log); no waiting."""
-        ensure_private_dir(self.state_dir)
+        if not self.degraded:
+            ensure_private_dir(self.state_dir)
         spec = self.adapter.launch(self.policy, list(extra_args))
         env = {**os.environ, **spec.env, **(extra_env or {}), "RESTARTKIT_SPAWN_TIME": repr(time.time())}
         ready_r = ready_w = None
@@ -197,10 +205,12 @@ class EngineLifecycle:
             ready_r, ready_w = os.pipe()
             env[READY_FD_ENV] = str(ready_w)
         try:
-            fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            os.fchmod(fd, 0o600)  # the engine's argv and output: not for other users
+            fd = self._open_log()
             with open(fd, "ab") as log:
-                log_offset = log.tell()
+                try:
+                    log_offset = log.tell()
+                except OSError:  # degraded: our stderr, a pipe
+                    log_offset = 0
                 log.write(f"\n==== {time.strftime('%Y-%m-%dT%H:%M:%S')} restartkit start ({strategy}): {' '.join(spec.argv)}\n".encode())
                 log.flush()
                 # under a keeper, which reaps it the moment it exits: its PID is free at once (a CRIU
@@ -219,6 +229,17 @@ class EngineLifecycle:
         return EngineProcess(pid=pid, create_time=create_time(pid), start_ticks=proc_start_ticks(pid),
                              log_path=self.log_path, popen=popen, kept=True, seam=self.seam, ready_fd=ready_r), log_offset
 
+    def _open_log(self) -> int:
+        """engine.log for appending (owner only: the engine's argv and output); degraded, our stderr."""
+        try:
+            fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            os.fchmod(fd, 0o600)
+            return fd
+        except OSError:
+            if not self.degraded:
+                raise
+            return os.dup(2)
+
     def adopt(self, pid: int, strategy: str) -> EngineProcess:
         """Record a process restartkit did not spawn itself (a CRIU restore) as the engine."""
         ensure_private_dir(self.state_dir)
@@ -231,6 +252,9 @@ class EngineLifecycle:
         self._write_pidfile(proc, strategy, ready=True)
 
     def _write_pidfile(self, proc: EngineProcess, strategy: str, ready: bool) -> None:
+        self.last = proc
+        if self.degraded:
+            return  # the state dir cannot be written: the engine is kept in memory (self.last)
         record = {"pid": proc.pid, "create_time": proc.create_time, "start_ticks": proc.start_ticks,
                   "port": self.policy.service["port"], "strategy": strategy, "ready": ready, "written_at": time.time()}
         if ready:  # the weights it serves: what is on disk now (the digests are cached; off the path to ready)
