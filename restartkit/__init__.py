@@ -1,2 +1,2 @@
 """restartkit: bring LLM inference engines back fast after a restart, and prove which path it took."""
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -28,6 +28,7 @@ class CriuStrategy(BaseStrategy):
             return out
         from restartkit.process.procfs import fd_targets
         from restartkit.snapshot.ops import arena_holders, identity, mismatches, store_for
+        from restartkit.snapshot.seal import seal_problem
         from restartkit.process.procfs import tree_pids
         out["weightless_ok"] = service.adapter.weightless_snapshots
         if facts.service.pid:
@@ -52,7 +53,8 @@ class CriuStrategy(BaseStrategy):
                        dump_phases=snap.manifest.get("phases"), kind=snap.manifest.get("kind") or "full",
                        weight_cache=snap.manifest.get("weight_cache"),
                        image_bytes=snap.manifest.get("image_bytes"),
-                       mismatches=mismatches(snap.manifest["identity"], out["identity"]))
+                       mismatches=mismatches(snap.manifest["identity"], out["identity"]),
+                       seal_problem=seal_problem(snap.manifest, snap.path))
         return out
 
     @staticmethod

@@ -203,3 +203,51 @@ def test_a_restored_engine_stopped_while_criu_restores_is_noticed_in_seconds(ser
     assert not listing[-1]["suspect"]
     assert engines_on(policy) == [json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]]
     assert not [p for p in os.listdir("/proc") if p.isdigit() and w.name.encode() in open(f"/proc/{p}/cmdline", "rb").read()]
+
+
+def _edited(policy, snap, edit):
+    path = snapshots_dir(policy) / snap["id"] / "manifest.json"
+    m = json.loads(path.read_text())
+    edit(m)
+    path.write_text(json.dumps(m))
+
+
+def test_a_manifest_edited_to_match_new_flags_is_refused_naming_the_field(served):
+    """The policy's engine flags changed; the manifest's argv is edited to match them, so that the
+    host check passes while the images hold an engine with the old flags.  Sealed with the images:
+    refused before anything is restored, naming the field, and the restart recovers cold."""
+    from restartkit.policy import load_policy
+    from restartkit.service import Service
+    policy = served()
+    snap = create(policy)
+    policy.write_text(policy.read_text().replace('engine_args = ["--threads", "1"]', 'engine_args = ["--threads", "2"]'))
+    svc = Service(load_policy(policy))
+    _edited(policy, snap, lambda m: m["identity"].update(engine_argv=svc.adapter.launch(svc.policy).argv[1:]))
+    code, rec = restart(policy, "--strategy", "criu", "--strict")
+    assert code == 3 and rec["served_by"] == "cold" and rec["via_recovery"], rec
+    assert "manifest's identity.engine_argv was changed after the snapshot was taken" in rec["recovery_reason"], rec
+    assert "criu_restore" not in (rec["attempts"][0].get("phases") or {})  # refused before CRIU ran
+    listing = json.loads(run_cli("snapshot", "list", "--policy", policy, "--json").stdout)["snapshots"]
+    assert listing[-1]["suspect"], listing  # the snapshot's own fault: auto does not try it again
+
+
+def test_an_edited_kind_is_refused(served):
+    policy = served()
+    snap = create(policy)
+    _edited(policy, snap, lambda m: m.update(kind="weightless"))
+    code, rec = restart(policy, "--strategy", "criu", "--strict")
+    assert code == 3 and rec["served_by"] == "cold", rec
+
+
+def test_images_swapped_under_a_manifest_are_refused(served):
+    policy = served()
+    snap = create(policy)
+    d = snapshots_dir(policy) / snap["id"]
+    core = sorted(d.glob("core-*.img"))[0]
+    core.write_bytes(core.read_bytes()[:-1] + b"\x00")  # one byte of another process
+    code, rec = restart(policy, "--strategy", "criu", "--strict")
+    assert code == 3 and rec["served_by"] == "cold", rec
+    assert "not the ones its manifest was sealed with" in rec["recovery_reason"], rec["recovery_reason"]
+    assert "criu_restore" not in (rec["attempts"][0].get("phases") or {})  # refused before CRIU ran
+    listing = json.loads(run_cli("snapshot", "list", "--policy", policy, "--json").stdout)["snapshots"]
+    assert listing[-1]["suspect"], listing

@@ -25,6 +25,7 @@ from restartkit import __version__
 from restartkit.errors import StrategyError, UsageError
 from restartkit.guard.deferred import check_interrupted
 from restartkit.snapshot.criu import Criu, CriuError, put_back_shm, restored_exit
+from restartkit.snapshot.seal import seal, seal_problem
 from restartkit.snapshot.cudackpt import CudaCheckpoint, uses_cuda
 from restartkit.snapshot.store import Snapshot, SnapshotStore, dir_bytes
 from restartkit.process.engine import EngineProcess, describe_exit
@@ -148,6 +149,7 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
     if not leave_running:
         service.engine.pidfile.unlink(missing_ok=True)
     manifest = _manifest(service, facts, kind, proc.pid, pids, ident, canary, crit, dump, images, leave_running)
+    manifest["seal"] = seal(manifest, images)
     private_files(images)
     snap = store.commit(images, manifest, make_current)
     store.prune(service.policy.criu["keep"])
@@ -402,6 +404,12 @@ def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict, dict]:
     damaged = image_damage(snap)
     if damaged:
         raise snapshot_fault(StrategyError("the snapshot's images are damaged: " + "; ".join(damaged)))
+    gathered = facts.of("criu")  # the plan checked the seal a moment ago: not hashed twice on the restore's path
+    problem = gathered["seal_problem"] if gathered.get("current") == snap.id and "seal_problem" in gathered else \
+        seal_problem(snap.manifest, snap.path)
+    if problem:
+        raise snapshot_fault(StrategyError(f"snapshot {snap.id} is not restored: {problem}",
+                                           hint="take a new one: restartkit snapshot create"))
     crit = Criu(facts.host.criu.path)
     t = time.monotonic()
     put_back_shm(snap.path)
