@@ -20,6 +20,15 @@ def state_of(policy):
     return policy.parent / "state" / "svc"
 
 
+def plant_intent(policy, victim_pid: int, start_ticks: int):
+    """An intent.json of a dead `restartkit restart` naming `victim_pid`; returns the state dir."""
+    state = state_of(policy)
+    state.mkdir(parents=True, mode=0o700, exist_ok=True)
+    (state / "intent.json").write_text(json.dumps({
+        "command": "restart", "pid": 999999, "start_ticks": start_ticks, "pids": [victim_pid], "was_serving": False}))
+    return state
+
+
 def test_the_rules_name_each_problem(tmp_path):
     d = tmp_path / "d"
     d.mkdir(mode=0o700)
@@ -67,12 +76,9 @@ def test_a_state_dir_that_is_a_link_is_refused(make_policy, tmp_path):
 def test_an_intent_planted_by_another_user_kills_nothing(make_policy):
     """Once, a planted intent.json made even `status` SIGKILL the PID it named."""
     policy = make_policy()
-    state = state_of(policy)
-    state.mkdir(parents=True, mode=0o700)
     victim = subprocess.Popen(["sleep", "300"])
     try:
-        (state / "intent.json").write_text(json.dumps({
-            "command": "restart", "pid": 999999, "start_ticks": 0, "pids": [victim.pid], "was_serving": False}))
+        state = plant_intent(policy, victim.pid, 0)
         os.chown(state, NOBODY, NOBODY)
         os.chown(state / "intent.json", NOBODY, NOBODY)
         for args in (["status"], ["stop"], ["plan"]):
@@ -88,13 +94,9 @@ def test_an_intent_never_kills_a_pid_restartkit_did_not_start(make_policy):
     """Even in our own state dir (written by a buggy or older command): a PID the intent names that
     is older than the intent, or not under a keeper of ours, is left alone."""
     policy = make_policy()
-    state = state_of(policy)
-    state.mkdir(parents=True, mode=0o700)
     victim = subprocess.Popen(["sleep", "300"])
     try:
-        (state / "intent.json").write_text(json.dumps({
-            "command": "restart", "pid": 999999, "start_ticks": proc_start_ticks(victim.pid),
-            "pids": [victim.pid], "was_serving": False}))
+        state = plant_intent(policy, victim.pid, proc_start_ticks(victim.pid))
         r = run_cli("status", "--policy", policy)
         assert "Traceback" not in r.stderr, r.stderr
         assert victim.poll() is None, "reconcile killed a process restartkit did not start"

@@ -8,23 +8,26 @@ import signal
 from pathlib import Path
 
 
+def _stat_field(pid: int, n: int) -> str | None:
+    """Field `n` of /proc/PID/stat (1-based, as proc(5) counts them, from 3 on), None when gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+        return raw[raw.rindex(")") + 2:].split()[n - 3]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def proc_start_ticks(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (/proc/PID/stat field 22):
     with the PID, it names one process, and no clock step can change it."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-        return int(raw[raw.rindex(")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
+    v = _stat_field(pid, 22)
+    return int(v) if v is not None and v.isdigit() else None
 
 
 def parent(pid: int) -> int | None:
     """The parent's PID (/proc/PID/stat field 4), None when the process is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-        return int(raw[raw.rindex(")") + 2:].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+    v = _stat_field(pid, 4)
+    return int(v) if v is not None and v.isdigit() else None
 
 
 def owner(pid: int) -> int | None:
@@ -72,11 +75,7 @@ def now_ticks() -> int:
 
 def proc_state(pid: int) -> str | None:
     """The state letter in /proc/PID/stat (R, S, T, Z...), None when there is no such process."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-        return raw[raw.rindex(")") + 2]
-    except (OSError, ValueError, IndexError):
-        return None
+    return _stat_field(pid, 3)
 
 
 def exited(pid: int) -> bool:
