@@ -299,3 +299,26 @@ def test_a_state_dir_that_turns_read_only_never_stops_crash_recovery(supervised)
     assert "supervising without a lock or records on disk" in out and "could not write the record" in out, out
     assert "can be written again" in out, out
     assert engines_on(s.policy) == []  # the engine started meanwhile was found and stopped
+
+
+def test_units_quote_a_policy_path_by_systemds_rules_and_refuse_a_newline(make_policy, tmp_path):
+    import shutil
+    spaced = tmp_path / "with space" / "100% svc.toml"
+    spaced.parent.mkdir()
+    shutil.copy(make_policy(), spaced)
+    units = tmp_path / "units"
+    units.mkdir()
+    r = run_cli("supervise", "--policy", spaced, "--install-unit", "--unit-dir", units)
+    assert r.returncode == 0, r.stderr
+    unit = (units / "restartkit-svc.service").read_text()
+    assert f'supervise --policy "{str(spaced).replace("%", "%%")}"' in unit, unit
+    if shutil.which("systemd-analyze"):
+        v = subprocess.run(["systemd-analyze", "verify", str(units / "restartkit-svc.service")], capture_output=True,
+                           text=True)
+        assert v.returncode == 0, v.stderr
+    r = run_cli("snapshot", "refresh", "--policy", spaced, "--install-timer", "--unit-dir", units)
+    assert r.returncode == 0 and "\\%" in r.stdout, r.stdout + r.stderr  # the crontab line escapes cron's %
+    newline = tmp_path / "a\nb.toml"
+    shutil.copy(make_policy(), newline)
+    r = run_cli("supervise", "--policy", newline, "--install-unit", "--unit-dir", units)
+    assert r.returncode == 2 and "cannot carry it" in r.stderr, r.stderr

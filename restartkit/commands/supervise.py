@@ -443,11 +443,9 @@ def read_state(state_dir) -> dict | None:
 
 def install_unit(service, unit_dir: str, watchdog_s: int = 0) -> str:
     """A systemd unit running `restartkit supervise` for this service; returns its path."""
-    import shutil
-    import sys
     from pathlib import Path
-    exe = shutil.which("restartkit") or f"{sys.executable} -m restartkit.cli"
-    policy = os.path.abspath(service.policy.path)
+    from restartkit.commands.units import exec_line
+    start = exec_line(["supervise", "--policy", os.path.abspath(service.policy.path)])
     r = service.policy.restart
     path = Path(unit_dir) / f"restartkit-{service.policy.name}.service"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -458,7 +456,7 @@ After=network-online.target
 [Service]
 Type=notify
 NotifyAccess=main
-ExecStart={exe} supervise --policy {policy}
+ExecStart={start}
 ExecReload=/bin/kill -HUP $MAINPID
 KillMode=mixed
 TimeoutStartSec={int(r['start_timeout_s'] + 60)}

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -106,8 +104,9 @@ def verify(snap) -> None:
 
 def install_timer(service, schedule: str, unit_dir: str = "/etc/systemd/system") -> tuple[list[Path], str]:
     """Write restartkit-refresh@<service>.service/.timer; return them and the crontab line."""
-    exe = shutil.which("restartkit") or f"{sys.executable} -m restartkit.cli"
+    from restartkit.commands.units import cron_command, exec_line
     policy = os.path.abspath(service.policy.path)
+    start = exec_line(["snapshot", "refresh", "--policy", policy])
     name = f"restartkit-refresh-{service.policy.name}"
     d = Path(unit_dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -118,7 +117,7 @@ Description=restartkit: refresh the CRIU snapshot of {service.policy.name}
 
 [Service]
 Type=oneshot
-ExecStart={exe} snapshot refresh --policy {policy}
+ExecStart={start}
 SuccessExitStatus=75
 """)
     tmr.write_text(f"""[Unit]
@@ -133,5 +132,5 @@ RandomizedDelaySec=15min
 WantedBy=timers.target
 """)
     cron_time = {"daily": "17 3 * * *", "hourly": "17 * * * *", "weekly": "17 3 * * 0"}.get(schedule, "17 3 * * *")
-    cron = f"{cron_time} root {exe} snapshot refresh --policy {policy}"
+    cron = f"{cron_time} root {cron_command(['snapshot', 'refresh', '--policy', policy])}"
     return [svc, tmr], cron
