@@ -308,10 +308,13 @@ def test_units_quote_a_policy_path_by_systemds_rules_and_refuse_a_newline(make_p
     shutil.copy(make_policy(), spaced)
     units = tmp_path / "units"
     units.mkdir()
-    r = run_cli("supervise", "--policy", spaced, "--install-unit", "--unit-dir", units)
+    r = run_cli("supervise", "--policy", spaced, "--install-unit", "--unit-dir", units, "--state-dir", tmp_path / "st ate")
     assert r.returncode == 0, r.stderr
     unit = (units / "restartkit-svc.service").read_text()
     assert f'supervise --policy "{str(spaced).replace("%", "%%")}"' in unit, unit
+    # the unit runs the service the command line named: the same state root (lock, history, metrics)
+    assert f'Environment="RESTARTKIT_STATE_DIR={tmp_path / "st ate"}"' in unit, unit
+    assert "Wants=network-online.target" in unit and "After=network-online.target" in unit
     if shutil.which("systemd-analyze"):
         v = subprocess.run(["systemd-analyze", "verify", str(units / "restartkit-svc.service")], capture_output=True,
                            text=True)

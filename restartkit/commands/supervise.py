@@ -444,19 +444,20 @@ def read_state(state_dir) -> dict | None:
 def install_unit(service, unit_dir: str, watchdog_s: int = 0) -> str:
     """A systemd unit running `restartkit supervise` for this service; returns its path."""
     from pathlib import Path
-    from restartkit.commands.units import exec_line
+    from restartkit.commands.units import environment, exec_line
     start = exec_line(["supervise", "--policy", os.path.abspath(service.policy.path)])
     r = service.policy.restart
     path = Path(unit_dir) / f"restartkit-{service.policy.name}.service"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"""[Unit]
 Description=restartkit: {service.policy.name}, supervised (crashes come back through the fastest proven path)
+Wants=network-online.target
 After=network-online.target
 
 [Service]
 Type=notify
 NotifyAccess=main
-ExecStart={start}
+{environment(service)}ExecStart={start}
 ExecReload=/bin/kill -HUP $MAINPID
 KillMode=mixed
 TimeoutStartSec={int(r['start_timeout_s'] + 60)}

@@ -49,3 +49,12 @@ def _restartkit() -> list[str]:
         return [beside]
     found = shutil.which("restartkit")
     return [found] if found else [sys.executable, "-m", "restartkit.cli"]
+
+
+def environment(service) -> str:
+    """Environment= lines for what the command line chose and the unit must keep (the state root:
+    another one would be another lock, history and metrics); empty when nothing was chosen."""
+    root = service.policy.state_root
+    if not root:
+        return ""
+    return "Environment=" + quote(f"RESTARTKIT_STATE_DIR={os.path.abspath(os.path.expanduser(root))}") + "\n"

@@ -104,7 +104,7 @@ def verify(snap) -> None:
 
 def install_timer(service, schedule: str, unit_dir: str = "/etc/systemd/system") -> tuple[list[Path], str]:
     """Write restartkit-refresh@<service>.service/.timer; return them and the crontab line."""
-    from restartkit.commands.units import cron_command, exec_line
+    from restartkit.commands.units import cron_command, environment, exec_line
     policy = os.path.abspath(service.policy.path)
     start = exec_line(["snapshot", "refresh", "--policy", policy])
     name = f"restartkit-refresh-{service.policy.name}"
@@ -117,7 +117,7 @@ Description=restartkit: refresh the CRIU snapshot of {service.policy.name}
 
 [Service]
 Type=oneshot
-ExecStart={start}
+{environment(service)}ExecStart={start}
 SuccessExitStatus=75
 """)
     tmr.write_text(f"""[Unit]
