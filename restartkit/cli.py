@@ -12,6 +12,7 @@ import click
 
 from restartkit import __version__
 from restartkit.errors import EXIT_NOT_SERVING, EXIT_SERVING, RestartkitError
+from restartkit.process.seam import Cut
 from restartkit.record import render_record
 from restartkit.options import (Seconds, json_option, policy_option, reason_option, state_dir_option, state_root,
                                 strategy_option, wait_option)
@@ -23,6 +24,11 @@ def friendly(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except Cut as cut:  # a signal cut the command at a safe point (restartkit.process.seam)
+            click.secho(f"error: {cut} at a safe point; what it had started was stopped", fg="red", err=True)
+            click.echo("  -> the next restartkit command reconciles (`restartkit start` brings the service back)",
+                       err=True)
+            sys.exit(128 + cut.signum)
         except RestartkitError as e:
             click.secho(f"error: {e.message}", fg="red", err=True)
             if e.hint:
@@ -145,8 +151,14 @@ def restart_and_exit(policy_path, strategy: str, as_json: bool, command: str, wa
     """Run one restart, print its record, exit with the record's code."""
     from restartkit.restart import restart as do_restart
     svc = load(policy_path)
-    with guarded(svc, command, wait_s):
-        rec = do_restart(svc, strategy, reason, strict, say=say, **options)
+    try:
+        with guarded(svc, command, wait_s):
+            rec = do_restart(svc, strategy, reason, strict, say=say, **options)
+    except Cut as cut:  # cut at a safe point: its record says so, the exit code says by what
+        if cut.record is None:
+            raise
+        emit(cut.record.to_dict(), as_json, render_record(cut.record.to_dict()))
+        sys.exit(128 + cut.signum)
     emit(rec.to_dict(), as_json, render_record(rec.to_dict()))
     sys.exit(rec.exit_code)
 
@@ -159,13 +171,15 @@ def restart_and_exit(policy_path, strategy: str, as_json: bool, command: str, wa
 @friendly
 def start(policy_path, wait_s, as_json):
     """Start the service's engine (a cold start) and wait until it answers."""
+    from restartkit.guard.deferred import cut_short
     svc = load(policy_path)
     with guarded(svc, "start", wait_s):
         if (proc := svc.current()) is not None:
             emit({"state": "running", "pid": proc.pid}, as_json, f"{svc.policy.name} already runs (PID {proc.pid})")
             return
-        started = svc.engine.start("cold")
-        svc.canary()
+        with cut_short(svc):  # a SIGTERM while it starts: the engine it started is stopped, the command exits
+            started = svc.engine.start("cold")
+            svc.canary()
     readiness = {"signalled": started.process.ready_signalled, "probes": started.process.probes}
     emit({"state": "serving", "pid": started.process.pid, "ready_s": started.ready_s, "phases": started.engine_phases,
           "readiness": readiness},
@@ -577,10 +591,11 @@ def snapshot_test(policy_path, snapshot_id, wait_s, as_json):
 @friendly
 def snapshot_prune(policy_path, keep, wait_s):
     """Remove all but the newest N snapshots (never the current one)."""
-    from restartkit.snapshot.ops import store_for
+    from restartkit.snapshot.ops import snapshot_metrics, store_for
     svc = load(policy_path)
     with guarded(svc, "snapshot prune", wait_s):
         removed = store_for(svc).prune(keep or svc.policy.criu["keep"])
+        snapshot_metrics(svc)
     click.echo(f"removed {len(removed)}: {', '.join(removed)}" if removed else "nothing to remove")
 
 
@@ -601,7 +616,7 @@ def snapshot_refresh(policy_path, force, install_timer, unit_dir, wait_s):
         files, cron = install(svc, svc.policy.criu["refresh"], unit_dir)
         click.echo("wrote " + ", ".join(map(str, files)))
         click.echo(f"enable it: systemctl daemon-reload && systemctl enable --now {files[1].name}")
-        click.echo(f"or, with cron (/etc/cron.d/restartkit): {cron}")
+        click.echo(f"or, with cron (/etc/cron.d/restartkit): {cron}" if not cron.startswith("#") else cron[2:])
         return
     from restartkit.guard.lock import BusyError
     from restartkit.snapshot.ops import store_for

@@ -53,6 +53,8 @@ def _first(rec: dict) -> str | None:
     recovery (the asked-for strategy not eligible) tried nothing first, and a recovery is never
     counted as a failure of the strategy it recovered with."""
     tried = [a for a in rec.get("attempts") or [] if not a.get("skipped") and a.get("role", "primary") == "primary"]
+    if tried and tried[0].get("interrupted"):
+        return None  # cut by a signal: says nothing of the strategy
     return tried[0]["strategy"] if tried else None
 
 

@@ -25,9 +25,6 @@ HEX40 = re.compile(r"[0-9a-f]{40}")
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})")
 # systemd OnCalendar=: the shorthands, or an expression of its own characters (no line breaks, no '=')
-CALENDAR_WORDS = ("minutely", "hourly", "daily", "weekly", "monthly", "yearly", "annually", "quarterly",
-                  "semiannually")
-CALENDAR = re.compile(r"[A-Za-z0-9*:,./~ +-]{1,100}")
 MAX_SECONDS = 7 * 24 * 3600.0
 MIN_SECONDS = 0.01
 
@@ -128,10 +125,8 @@ def _env(v):
 
 
 def _calendar(v):
-    if v in CALENDAR_WORDS or CALENDAR.fullmatch(v) and v.strip() == v:
-        return None
-    return (f"must be a systemd calendar expression on one line ({', '.join(CALENDAR_WORDS[:5])}, ... or like "
-            "'*-*-* 03:00:00')")
+    from restartkit.commands.schedule import check
+    return check(v)
 
 
 def _strategy_list(v):
@@ -239,6 +234,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                  doc="more failures than this within the interval: give up, engine left stopped, exit 1"),
         "backoff_s": Key((int, float), 1.0, check=_seconds, doc="pause before the second failure's restart, doubling"),
         "backoff_max_s": Key((int, float), 30.0, check=_seconds),
+    },
+    "metrics": {
+        "textfile_dir": Key(str, "", check=_path, doc="where the Prometheus textfiles go: the node exporter's "
+                            "--collector.textfile.directory, shared by the services of a host (files "
+                            "restartkit_<service>*.prom, mode 0644); default: the state dir (metrics.prom, "
+                            "snapshot.prom)"),
     },
     "sleep": {
         "enabled": Key(bool, False, doc="start the engine with sleep mode (needed by the sleep strategy)"),

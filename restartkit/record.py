@@ -178,13 +178,28 @@ def record_problem(rec) -> str | None:
     return None
 
 
-def update_metrics(state_dir: Path, record: Record) -> Path:
-    """Counters live in metrics.json; metrics.prom is rewritten from them."""
-    counters_path = state_dir / "metrics.json"
+TIME_TO_READY_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)  # seconds
+
+
+def _counters(state_dir: Path) -> dict:
+    """The counters behind metrics.prom, kept across commands in metrics.json."""
     try:
-        c = json.loads(counters_path.read_text())
+        c = json.loads((state_dir / "metrics.json").read_text())
     except (OSError, ValueError):
-        c = {"restarts": {}, "fallbacks": {}, "ipc": {}, "time_to_ready": {}}
+        c = None
+    return c if isinstance(c, dict) else {"restarts": {}, "fallbacks": {}, "ipc": {}, "time_to_ready": {}}
+
+
+def _save_counters(state_dir: Path, c: dict) -> None:
+    path = state_dir / "metrics.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(c))
+    os.replace(tmp, path)
+
+
+def update_metrics(state_dir: Path, record: Record, prom: Path | None = None) -> Path:
+    """Count one restart; rewrite the restarts' textfile (`prom`, default: metrics.prom in the state dir)."""
+    c = _counters(state_dir)
     outcome = "recovered" if record.via_recovery and record.final_state == "serving" else (
         "ok" if record.final_state == "serving" else "failed")
     first = record.attempts[0]["strategy"] if record.attempts else "none"
@@ -198,36 +213,70 @@ def update_metrics(state_dir: Path, record: Record) -> Path:
             c["ipc"][hit] = c["ipc"].get(hit, 0) + 1
     if record.time_to_ready_s is not None and record.served_by:
         c["time_to_ready"][record.served_by] = record.time_to_ready_s
+        h = c.setdefault("time_to_ready_hist", {}).setdefault(record.served_by, {"buckets": [0] * len(
+            TIME_TO_READY_BUCKETS), "sum": 0.0, "count": 0})
+        for i, le in enumerate(TIME_TO_READY_BUCKETS):
+            h["buckets"][i] += record.time_to_ready_s <= le
+        h["sum"] += record.time_to_ready_s
+        h["count"] += 1
     down = (record.downtime or {}).get("downtime_s")
     if down is not None and record.served_by:
         c.setdefault("downtime", {})[record.served_by] = down
-    tmp = counters_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(c))
-    os.replace(tmp, counters_path)
+    c["last_restart_at"] = record.finished_at or time.time()
+    _save_counters(state_dir, c)
+    return write_restart_metrics(state_dir, record.service, prom)
 
-    svc = record.service
+
+def count_give_up(state_dir: Path, service: str, prom: Path | None = None) -> Path:
+    """supervise gave up on the service (its restart limit): counted, the textfile rewritten."""
+    c = _counters(state_dir)
+    c["give_ups"] = c.get("give_ups", 0) + 1
+    c["last_give_up_at"] = time.time()
+    _save_counters(state_dir, c)
+    return write_restart_metrics(state_dir, service, prom)
+
+
+def write_restart_metrics(state_dir: Path, svc: str, prom: Path | None = None) -> Path:
+    from prometheus_client.core import HistogramMetricFamily
+    from restartkit import __version__
+    c = _counters(state_dir)
+    hist = HistogramMetricFamily("restartkit_time_to_ready_seconds", "Time to ready of the restarts served by each "
+                                 "strategy (from the restart's start until the engine answered).",
+                                 labels=["service", "strategy"])
+    for strategy, h in sorted(c.get("time_to_ready_hist", {}).items()):
+        hist.add_metric([svc, strategy], [(str(le), n) for le, n in zip(TIME_TO_READY_BUCKETS, h["buckets"])]
+                        + [("+Inf", h["count"])], h["sum"])
     families = [
+        _family("gauge", "restartkit_build_info", "The restartkit that wrote this file.", ["version"],
+                {(__version__,): 1}, svc),
         _family("counter", "restartkit_restart", "Restarts by first strategy tried and outcome (ok, recovered, failed).",
                 ["strategy", "outcome"], {tuple(k.split("|")): n for k, n in c["restarts"].items()}, svc),
         _family("counter", "restartkit_fallback", "Restarts that ended on a recovery path, by the strategy that failed.",
                 ["strategy"], {(k,): n for k, n in c["fallbacks"].items()}, svc),
         _family("counter", "restartkit_ipc_attach", "Engine starts through the weight cache, by result (hit or fallback).",
                 ["result"], {(k,): n for k, n in c["ipc"].items()}, svc),
-        _family("gauge", "restartkit_time_to_ready_seconds", "Time to ready of the last restart served by each strategy.",
-                ["strategy"], {(k,): v for k, v in c["time_to_ready"].items()}, svc),
+        _family("counter", "restartkit_supervise_give_ups", "Times supervise gave up on the service (its restart "
+                "limit reached: the engine left stopped for systemd or Kubernetes).", [], {(): c.get("give_ups", 0)}, svc),
+        hist,
+        _family("gauge", "restartkit_last_time_to_ready_seconds", "Time to ready of the last restart served by each "
+                "strategy.", ["strategy"], {(k,): v for k, v in c["time_to_ready"].items()}, svc),
         _family("gauge", "restartkit_downtime_seconds", "Longest gap between answered client requests during the last "
                 "restart served by each strategy (measured when the restart measures downtime, always when overlapped).",
                 ["strategy"], {(k,): v for k, v in c.get("downtime", {}).items()}, svc),
     ]
-    prom = state_dir / "metrics.prom"
+    if c.get("last_restart_at"):
+        families.append(_family("gauge", "restartkit_last_restart_timestamp_seconds", "When the last restart ended.",
+                                [], {(): c["last_restart_at"]}, svc))
+    prom = prom or state_dir / "metrics.prom"
     write_textfile(prom, families)
     return prom
 
 
-def write_snapshot_metrics(state_dir: Path, service: str, store, refresh: str | None = None) -> Path:
-    """snapshot.prom beside metrics.prom: the current snapshot's age and test, suspect snapshots, and the
-    last refresh's outcome (`refresh`: ok, failed, or None to keep the last one), for alerts on a fleet
-    whose snapshots are refreshed by cron or a timer."""
+def write_snapshot_metrics(state_dir: Path, service: str, store, refresh: str | None = None,
+                           prom: Path | None = None) -> Path:
+    """snapshot.prom beside metrics.prom (or `prom`): the current snapshot's age, size, freeze and
+    test, suspect snapshots, and the last refresh's outcome (`refresh`: ok, failed, or None to keep
+    the last one), for alerts on a fleet whose snapshots are refreshed by cron or a timer."""
     last_path = store.root / ".last-refresh.json"
     if refresh is not None:
         store.ensure()
@@ -242,9 +291,14 @@ def write_snapshot_metrics(state_dir: Path, service: str, store, refresh: str | 
     snaps = store.list()
     cur = None if cur is not None and cur.damaged else cur
     tested = (cur.manifest.get("tested") or {}) if cur else {}
+    m = cur.manifest if cur else {}
     families = [
         _family("gauge", "restartkit_snapshot_current_created_timestamp_seconds", "When the current snapshot was taken.",
-                [], {(): cur.manifest.get("created_at", 0) if cur else 0}, service),
+                [], {(): m.get("created_at", 0)}, service),
+        _family("gauge", "restartkit_snapshot_current_bytes", "Size of the current snapshot's images on disk.",
+                [], {(): m.get("image_bytes", 0)}, service),
+        _family("gauge", "restartkit_snapshot_current_freeze_seconds", "How long taking the current snapshot kept the "
+                "engine from serving (its dump; clients got errors meanwhile).", [], {(): m.get("freeze_s", 0)}, service),
         _family("gauge", "restartkit_snapshot_current_test_passed",
                 "1 when the current snapshot passed a test restore, else 0.", [], {(): 1 if tested.get("ok") else 0}, service),
         _family("gauge", "restartkit_snapshot_suspect", "Snapshots on disk marked suspect (a failed restore or test).",
@@ -259,7 +313,7 @@ def write_snapshot_metrics(state_dir: Path, service: str, store, refresh: str | 
             _family("gauge", "restartkit_snapshot_refresh_timestamp_seconds", "When the last snapshot refresh ended.",
                     [], {(): last["at"]}, service)]
     state_dir.mkdir(parents=True, exist_ok=True)
-    prom = state_dir / "snapshot.prom"
+    prom = prom or state_dir / "snapshot.prom"
     write_textfile(prom, families)
     return prom
 
@@ -283,11 +337,38 @@ class _Families:
 
 
 def write_textfile(path: Path, families) -> None:
-    """Prometheus text format for the node exporter's textfile collector, written atomically."""
-    from prometheus_client import CollectorRegistry, write_to_textfile
+    """Prometheus text format for the node exporter's textfile collector: written beside its place
+    under a name the collector skips (not *.prom), then renamed over it, mode 0644 whatever the
+    umask (an exporter running as its own user reads it; the state dir itself stays 0700)."""
+    from prometheus_client import CollectorRegistry, generate_latest
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(families))
-    write_to_textfile(str(path), registry)
+    data = generate_latest(registry)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        os.fchmod(fd, 0o644)
+        os.write(fd, data)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def textfile(policy, kind: str) -> Path:
+    """Where a Prometheus textfile of the service goes (kind: restarts, snapshot): the state dir
+    (metrics.prom, snapshot.prom), or [metrics] textfile_dir, shared by the services of a host, as
+    restartkit_<service>.prom and restartkit_<service>_snapshot.prom (made 0755 when missing)."""
+    where = policy.sections.get("metrics", {}).get("textfile_dir")
+    if not where:
+        return policy.state_dir() / ("metrics.prom" if kind == "restarts" else "snapshot.prom")
+    d = Path(os.path.expandvars(os.path.expanduser(where)))
+    d.mkdir(parents=True, exist_ok=True, mode=0o755)
+    return d / (f"restartkit_{policy.name}.prom" if kind == "restarts" else f"restartkit_{policy.name}_snapshot.prom")
 
 
 def write_record(service, rec: Record) -> bool:
@@ -295,7 +376,7 @@ def write_record(service, rec: Record) -> bool:
     (never silently lost), and never turns a served restart into a failed command."""
     try:
         append_history(service.state_dir, rec)
-        update_metrics(service.state_dir, rec)
+        update_metrics(service.state_dir, rec, textfile(service.policy, "restarts"))
         return True
     except OSError as e:
         print(f"restartkit: could not write the record of restart {rec.id} to {service.state_dir} ({e.strerror or e}); "

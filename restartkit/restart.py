@@ -16,7 +16,8 @@ from restartkit.planner import make_plan
 from restartkit.record import Record, write_record
 from restartkit.service import Service
 from restartkit.strategies import all_strategies
-from restartkit.process.procfs import now_ticks
+from restartkit.guard.deferred import cut_short
+from restartkit.process.seam import Cut
 
 
 def gather_facts(service: Service, reason: str, run_criu_check: bool = True) -> Facts:
@@ -62,7 +63,17 @@ def restart(service: Service, requested: str = "auto", reason: str = "restart", 
     if plan.overlap or measure_downtime:
         from restartkit.downtime import DowntimeProbe
         probe = DowntimeProbe(service)
-    rec = _restart(service, plan, facts, requested, reason, say, probe)
+    rec = Record(service=service.policy.name, policy=service.policy.path, requested=requested,
+                 reason=reason, plan=plan.to_dict(), context=evidence.context(facts, service.policy))
+    try:
+        # a termination signal (deferred by the command, or supervise's) cuts the restart at its next wait
+        with cut_short(service) as since_ticks:  # a listener on the port created from then on is this restart's
+            _restart(service, plan, facts, rec, since_ticks, say, probe)
+    except Cut as cut:
+        if probe is not None:
+            probe.stop()
+        _record_cut(service, rec, cut, say)
+        raise
     if probe is not None:
         probe.stop()
         rec.downtime = probe.summary()
@@ -75,21 +86,37 @@ def restart(service: Service, requested: str = "auto", reason: str = "restart", 
     return _close(service, rec, strict)
 
 
-def _restart(service: Service, plan: Plan, facts: Facts, requested: str, reason: str, say, probe=None) -> Record:
+def _record_cut(service: Service, rec: Record, cut: Cut, say) -> None:
+    """The restart was cut at a safe point (restartkit.guard.deferred.cut_short): the record says so."""
+    intent = service.intent.data
+    rec.attempts.append({"strategy": intent.get("strategy") or rec.requested, "role": intent.get("role", "primary"),
+                         "ok": False, "interrupted": cut.name, "killed": cut.killed,
+                         "error": f"interrupted by {cut.name} at a safe point"})
+    rec.via_recovery = True
+    rec.recovery_reason = (f"interrupted by {cut.name}: " + (f"killed {', '.join(map(str, cut.killed))}, which it had "
+                           "started" if cut.killed else "nothing it had started was running")
+                           + "; the next restartkit command reconciles")
+    if service.current() is not None and service.is_ready():
+        rec.final_state, rec.served_by = "serving", "old engine"
+    write_record(service, rec.finish(strict=False))
+    service.intent.update(record=rec.id)
+    say(f"{service.policy.name}: {rec.recovery_reason}")
+    cut.record = rec
+
+
+def _restart(service: Service, plan: Plan, facts: Facts, rec: Record, since_ticks: int, say, probe=None) -> Record:
     # long: baseline, attempt, proof and recovery in one place, so that every path ends in one record
-    rec = Record(service=service.policy.name, policy=service.policy.path, requested=requested,
-                 reason=reason, plan=plan.to_dict(), context=evidence.context(facts, service.policy))
+    requested = rec.requested
     for note in plan.notes:
         say(note)
     if plan.attempt is None:
         rec.recovery_reason = "; ".join(plan.notes)
         return rec
 
-    baseline, source = _baseline(service, facts, reason, say)
+    baseline, source = _baseline(service, facts, rec.reason, say)
     rec.proof = {"baseline_source": source, "before": baseline}
 
     t0 = time.monotonic()
-    since_ticks = now_ticks()  # a listener on the port created from here on belongs to this restart
     strategies = all_strategies()
     primary = plan.attempt
     say(f"running {primary}" + (f" (recovery: {plan.recovery})" if primary != plan.recovery else ""))

@@ -113,3 +113,23 @@ def vllm_model(tmp_path_factory):
     """vLLM's CPU attention needs head_dim >= 32: the `small` preset (head_dim 64)."""
     from restartkit.reference.checkpoint import write_checkpoint
     return write_checkpoint(tmp_path_factory.mktemp("models") / "small", "small")
+
+
+@pytest.fixture
+def supervised(make_policy, service_cleanup, tmp_path):
+    """`restartkit supervise` on a policy (fast probes), its notify socket the test's."""
+    from tests.helpers import SUPERVISE_FAST, Supervised
+    made = []
+
+    def make(policy=None, burst=5, env=None, wait_ready=True):
+        policy = policy or make_policy()
+        policy.write_text(policy.read_text() + SUPERVISE_FAST.format(burst=burst))
+        service_cleanup(policy)
+        s = Supervised(policy, tmp_path, env)
+        made.append(s)
+        if wait_ready:
+            s.wait_note("READY=1")
+        return s
+    yield make
+    for s in made:
+        s.close()

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from restartkit.facts import CriuFacts, HostFacts, criu_facts
 from restartkit.strategies.base import BaseStrategy
-from tests.conftest import ROOT, run_cli
+from tests.conftest import RESTARTKIT, ROOT, run_cli
 
 
 # ---- pure: facts and strategies built by hand ------------------------------------------------
@@ -107,3 +111,91 @@ def vllm_policy_for(make_policy, vllm_model, service_cleanup, env=""):
     policy.write_text(text)
     service_cleanup(policy)
     return policy
+
+
+# ---- supervise under a notify socket ---------------------------------------------------------
+SUPERVISE_FAST = """
+[supervise]
+health_interval_s = 0.5
+health_timeout_s = 1.0
+health_misses = 3
+completion_interval_s = 5
+completion_timeout_s = 5
+start_limit_interval_s = 600
+start_limit_burst = {burst}
+backoff_s = 0.2
+backoff_max_s = 1
+"""
+
+
+class Supervised:
+    """`restartkit supervise` run as systemd runs it: its notify socket is the test's, every message
+    kept with the time it came (`timed`)."""
+
+    def __init__(self, policy, tmp_path, env: dict | None = None):
+        self.policy = policy
+        self.sock_path = str(tmp_path / f"notify-{len(list(tmp_path.glob('notify-*')))}.sock")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.sock_path)
+        self.sock.settimeout(0.2)
+        self.messages: list[str] = []
+        self.timed: list[tuple[float, str]] = []
+        env = {**os.environ, "NOTIFY_SOCKET": self.sock_path, **(env or {})}
+        self.proc = subprocess.Popen([*RESTARTKIT, "supervise", "--policy", str(policy)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)  # each message timed as it arrives
+        self._reader.start()
+
+    def _read(self) -> None:
+        while self.sock.fileno() != -1:
+            try:
+                lines = self.sock.recv(4096).decode().splitlines()
+            except (socket.timeout, BlockingIOError):
+                continue
+            except OSError:
+                return
+            now = time.monotonic()
+            self.timed += [(now, line) for line in lines]
+            self.messages += lines
+
+    def notes(self) -> list[str]:
+        time.sleep(0.05)
+        return self.messages
+
+    def listen(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def longest_gap(self, word: str, since: float) -> float:
+        """The longest time without `word` since `since` (to now)."""
+        times = [since] + [t for t, line in list(self.timed) if t >= since and line.startswith(word)] + [time.monotonic()]
+        return max(b - a for a, b in zip(times, times[1:]))
+
+    def wait_note(self, words: str, timeout: float = 120) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if any(words in m for m in self.notes()):
+                return
+            assert self.proc.poll() is None, self.proc.stdout.read()
+        raise AssertionError(f"no {words!r} from supervise in {timeout} s: {self.messages}")
+
+    def status(self) -> dict:
+        return json.loads(run_cli("status", "--policy", self.policy, "--json").stdout)
+
+    def records(self) -> list[dict]:
+        return json.loads(run_cli("history", "--policy", self.policy, "--json").stdout)["records"]
+
+    def wait_record(self, n: int, timeout: float = 120) -> dict:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            recs = self.records()
+            if len(recs) >= n:
+                return recs[-1]
+            time.sleep(0.3)
+        raise AssertionError(f"no record #{n} within {timeout} s")
+
+    def close(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(60)
+        self.sock.close()
+        self._reader.join(timeout=2)

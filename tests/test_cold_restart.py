@@ -43,7 +43,7 @@ def test_cold_restart_is_proven_by_an_identical_canary(make_policy, service_clea
     assert hist[-1]["id"] == rec["id"]
     prom = (policy.parent / "state" / "svc" / "metrics.prom").read_text()
     assert prom_sample(prom, "restartkit_restart_total", service="svc", strategy="cold", outcome="ok") == 1
-    assert prom_sample(prom, "restartkit_time_to_ready_seconds", service="svc", strategy="cold") > 0
+    assert prom_sample(prom, "restartkit_last_time_to_ready_seconds", service="svc", strategy="cold") > 0
 
 
 def test_the_engine_says_when_it_is_ready_and_keeps_no_pipe(make_policy, service_cleanup):

@@ -188,7 +188,7 @@ def test_metrics_files_parse_and_escape_label_values(tmp_path):
     prom = update_metrics(tmp_path, rec)
     families = {f.name: f for f in text_string_to_metric_families(prom.read_text())}
     assert families["restartkit_restart"].type == "counter"
-    assert families["restartkit_time_to_ready_seconds"].type == "gauge"
+    assert families["restartkit_last_time_to_ready_seconds"].type == "gauge"
     sample = families["restartkit_restart"].samples[0]
     assert sample.name == "restartkit_restart_total" and sample.value == 1
     assert sample.labels == {"service": "svc", "strategy": "cold", "outcome": "ok"}

@@ -10,91 +10,11 @@ import time
 
 import pytest
 
-from restartkit.commands.supervise import Notifier
-from tests.conftest import RESTARTKIT, ROOT, run_cli
+from restartkit.commands.sdnotify import Notifier
+from tests.conftest import run_cli
 from tests.helpers import engines_on, ipc_policy, start_preload
 
 pytestmark = pytest.mark.slow
-
-FAST = """
-[supervise]
-health_interval_s = 0.5
-health_timeout_s = 1.0
-health_misses = 3
-completion_interval_s = 5
-completion_timeout_s = 5
-start_limit_interval_s = 600
-start_limit_burst = {burst}
-backoff_s = 0.2
-backoff_max_s = 1
-"""
-
-
-class Supervised:
-    def __init__(self, policy, tmp_path):
-        self.policy = policy
-        self.sock_path = str(tmp_path / "notify.sock")
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.sock_path)
-        self.sock.settimeout(0.2)
-        self.messages: list[str] = []
-        env = {**os.environ, "NOTIFY_SOCKET": self.sock_path}
-        self.proc = subprocess.Popen([*RESTARTKIT, "supervise", "--policy", str(policy)], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env, start_new_session=True)
-
-    def notes(self) -> list[str]:
-        while True:
-            try:
-                self.messages += self.sock.recv(4096).decode().splitlines()
-            except (socket.timeout, BlockingIOError):
-                return self.messages
-
-    def wait_note(self, words: str, timeout: float = 120) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if any(words in m for m in self.notes()):
-                return
-            assert self.proc.poll() is None, self.proc.stdout.read()
-        raise AssertionError(f"no {words!r} from supervise in {timeout} s: {self.messages}")
-
-    def status(self) -> dict:
-        return json.loads(run_cli("status", "--policy", self.policy, "--json").stdout)
-
-    def records(self) -> list[dict]:
-        return json.loads(run_cli("history", "--policy", self.policy, "--json").stdout)["records"]
-
-    def wait_record(self, n: int, timeout: float = 120) -> dict:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            recs = self.records()
-            if len(recs) >= n:
-                return recs[-1]
-            time.sleep(0.3)
-        raise AssertionError(f"no record #{n} within {timeout} s")
-
-    def close(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(60)
-        self.sock.close()
-
-
-@pytest.fixture
-def supervised(make_policy, service_cleanup, tmp_path):
-    made = []
-
-    def make(policy=None, burst=5):
-        policy = policy or make_policy()
-        policy.write_text(policy.read_text() + FAST.format(burst=burst))
-        service_cleanup(policy)
-        s = Supervised(policy, tmp_path)
-        made.append(s)
-        s.wait_note("READY=1")
-        return s
-    yield make
-    for s in made:
-        s.close()
-
 
 def test_a_killed_engine_comes_back_through_ipc_recorded_as_a_crash(supervised, make_policy, sockdir, preloads):  # noqa: F811
     policy = ipc_policy(make_policy, sockdir)

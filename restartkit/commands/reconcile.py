@@ -29,6 +29,7 @@ from restartkit.snapshot.store import MANIFEST
 from restartkit.process.engine import EngineProcess
 from restartkit.process.lifecycle import ours
 from restartkit.process import keeper
+from restartkit.process.seam import Cut
 from restartkit.process.procfs import argv, kill_tree, listeners, proc_start_ticks, proc_state, tree_pids
 
 # commands after which the service was meant to serve
@@ -36,8 +37,10 @@ SERVING_COMMANDS = {"restart", "start", "wake", "snapshot restore", "snapshot cr
                     "sleep"}
 
 
-def reconcile(service, say: Callable[[str], None], recover: bool = True) -> dict | None:
-    """Returns what was done, or None when there was nothing to reconcile."""
+def reconcile(service, say: Callable[[str], None], stopping: bool = False) -> dict | None:
+    """Returns what was done, or None when there was nothing to reconcile.  `stopping`: a stop
+    follows, which stops the recorded engine the usual way: nothing is adopted or started, the
+    rest is killed."""
     intent = Intent(service.state_dir)
     stale = intent.read_stale()
     if stale is None:
@@ -47,13 +50,18 @@ def reconcile(service, say: Callable[[str], None], recover: bool = True) -> dict
         "reconciling")
     adopted, stopped = None, []
     found = candidates(service, stale)
+    recorded = service.current()
+    kept = recorded.pid if stopping and recorded is not None else None  # for the stop that follows
     # engines first; keepers (a restore's, an engine's) last: the keeper of an adopted engine stays with it
     for pid in sorted(found, key=lambda p: keeper.KEEPER in argv(p)):
         _continue_if_stopped(pid, say, service.seam)
-        if adopted is None and keeper.KEEPER not in argv(pid) and _try_adopt(service, pid, stale, say):
+        if pid == kept:
+            continue
+        if (adopted is None and not stopping and keeper.KEEPER not in argv(pid)
+                and _try_adopt(service, pid, stale, say)):
             adopted = pid
             continue
-        if adopted is not None and adopted in tree_pids(pid):
+        if (adopted or kept) is not None and (adopted or kept) in tree_pids(pid):
             continue  # its parent (the keeper that reaps it, or CRIU that restored it): not ours to end
         kill_tree(pid)
         stopped.append(pid)
@@ -61,11 +69,11 @@ def reconcile(service, say: Callable[[str], None], recover: bool = True) -> dict
         service.seam.reap_until_gone(stopped, service.policy.restart["stop_timeout_s"])
         say(f"{service.policy.name}: stopped {', '.join(map(str, stopped))} (left by the interrupted command, "
             "not serving or not passing the canary)")
-    if adopted is None:
+    if adopted is None and kept is None:
         service.engine.pidfile.unlink(missing_ok=True)
     _discard_partial_images(stale, say)
     result = {"command": command, "adopted": adopted, "stopped": stopped, "started": None}
-    if adopted is None and recover and command in SERVING_COMMANDS and stale.get("was_serving", True):
+    if adopted is None and not stopping and command in SERVING_COMMANDS and stale.get("was_serving", True):
         say(f"{service.policy.name}: nothing serves; recovering with a cold start")
         started = service.engine.start("cold")
         service.canary()
@@ -139,6 +147,8 @@ def _discard_partial_images(stale: dict, say) -> None:
 
 
 def _record(service, stale: dict, result: dict) -> None:
+    if stale.get("record") and not (result["adopted"] or result["started"] or result["stopped"]):
+        return  # a command cut short wrote its record already, and nothing was left to do
     rec = Record(service=service.policy.name, policy=service.policy.path, requested=stale.get("strategy") or "-",
                  reason=stale.get("reason") or "restart", plan={})
     rec.started_at = stale.get("started_at") or rec.started_at
@@ -166,10 +176,16 @@ def guarded(service, command: str, wait_s: float = 0.0, say: Callable[[str], Non
         preflight_writable(directory, what)
     with service_lock(service.state_dir, service.policy.name, command, wait_s, say):
         with (deferred_signals(say, f"`restartkit {command}`") if defer_signals else contextlib.nullcontext([])) as got:
-            reconcile(service, say, recover=command != "stop")
+            reconcile(service, say, stopping=command.endswith("stop"))
             service.intent.begin(command, was_serving=service.current() is not None)
-            service.interrupts = got
+            if defer_signals:  # else the caller's own (supervise's) list stays
+                service.interrupts = got
             try:
                 yield got
-            finally:
+            except Cut:  # cut at a safe point: what it started is gone; the intent says what it was doing
+                raise
+            except BaseException:
+                service.intent.clear()
+                raise
+            else:
                 service.intent.clear()

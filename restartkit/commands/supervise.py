@@ -13,13 +13,16 @@ left stopped and supervise exits 1 with one line saying why, so that systemd or
 Kubernetes takes over.  Failed attempts back off (backoff_s, doubling, at most
 backoff_max_s).
 
-Signals only enqueue: SIGTERM/SIGINT stop the engine (the usual escalation) and exit 0;
-SIGHUP runs a planned restart (reason `restart`; systemd's ExecReload).  systemd: with
-NOTIFY_SOCKET set, READY=1 once the first canary passed, STATUS= after each change, and
-WATCHDOG=1 while the engine passes its probes (and while a restart is under way) when
-WATCHDOG_USEC is set.  Another restartkit command may restart the engine meanwhile: its
-new engine is adopted, not treated as a crash.  State: supervisor.json in the state dir
-(`restartkit status` shows it).
+Signals: SIGTERM/SIGINT end the work under way at its next safe point (a start, a restart, a wait
+for another command's lock: what it started is killed, the record says so), then stop the engine
+(the usual escalation) and exit 0, within stop_timeout_s and a few seconds; SIGHUP runs a planned
+restart (reason `restart`; systemd's ExecReload).  systemd: with NOTIFY_SOCKET set, READY=1 once the
+first canary passed, STOPPING=1 the moment a SIGTERM lands, RELOADING=1 for a SIGHUP's restart and
+READY=1 after it, STATUS= after each change; with WATCHDOG_USEC, WATCHDOG=1 from a thread of its
+own every WatchdogSec/4 as long as the main loop keeps within its step's budget, and
+EXTEND_TIMEOUT_USEC while starting or stopping (restartkit.commands.sdnotify).  Another restartkit
+command may restart the engine meanwhile: its new engine is adopted (STATUS= names it), not
+treated as a crash.  State: supervisor.json in the state dir (`restartkit status` shows it).
 """
 from __future__ import annotations
 
@@ -29,41 +32,20 @@ import fcntl
 import os
 import select
 import signal
-import socket
-import threading
 import time
 from typing import Callable
 
 from restartkit.errors import EXIT_SERVING, UsageError
 from restartkit.files import write_json_atomic
 from restartkit.commands.reconcile import guarded
+from restartkit.commands.sdnotify import Heartbeat, Notifier
 from restartkit.guard.lock import BusyError, lock_holder
 from restartkit.guard.preflight import preflight_writable
 from restartkit.process.procfs import argv, holder_alive, kill_tree, proc_start_ticks
+from restartkit.process.seam import Cut, cuttable
 from restartkit.process.states import ProcState
 
 EXIT_GAVE_UP = 1  # what systemd's Restart=on-failure and Kubernetes act on
-
-
-class Notifier:
-    """sd_notify over $NOTIFY_SOCKET (nothing when it is not set)."""
-
-    def __init__(self, env: dict | None = None):
-        env = os.environ if env is None else env
-        self.address = env.get("NOTIFY_SOCKET") or None
-        usec = env.get("WATCHDOG_USEC")
-        wpid = env.get("WATCHDOG_PID")
-        self.watchdog_s = int(usec) / 1e6 if usec and usec.isdigit() and (not wpid or wpid == str(os.getpid())) else None
-
-    def send(self, *lines: str) -> None:
-        if not self.address:
-            return
-        addr = "\0" + self.address[1:] if self.address.startswith("@") else self.address
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-                s.sendto("\n".join(lines).encode(), addr)
-        except OSError:
-            pass  # the manager went away: nothing to tell
 
 
 class Supervisor:
@@ -82,22 +64,40 @@ class Supervisor:
         self.interval = self.cfg["health_interval_s"]
         if self.notify.watchdog_s:
             self.interval = min(self.interval, self.notify.watchdog_s / 2)
+        self.beat = Heartbeat(self.notify)
+        self._serving_pid: int | None = None  # the engine supervise last saw serving (another one: adopted)
 
     # ---- the loop ------------------------------------------------------------------
     def run(self) -> int:
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(s, lambda signum, _frame: self.signals.append(signum))
+            signal.signal(s, self._on_signal)
         preflight_writable(self.service.state_dir)
         self._only = self._one_supervisor()
+        self.beat.step(self._lock_wait(), Heartbeat.STARTING)
+        self.beat.start()
         try:
-            if not self._first_start():
-                return self._give_up("the engine did not start")
-            self.notify.send("READY=1", self._status())
-            self._warm_up()
-            return self._watch()
+            # SIGTERM/SIGINT end whatever runs at its next wait (a start, a restart, a lock wait), then the stop
+            with cuttable(lambda: next(iter(self.service.interrupts), None)):
+                if not self._first_start():
+                    return self._give_up("the engine did not start")
+                self.beat.step(self._probe_budget(), Heartbeat.RUNNING)
+                self.notify.send("READY=1", self._status())
+                self._warm_up()
+                return self._watch()
+        except Cut as cut:
+            return self._stop(cut.name)
         finally:
+            self.beat.stop()
             self.path.unlink(missing_ok=True)
             os.close(self._only)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        """The handler: queue it; a termination also cuts the work under way (restartkit.process.seam)
+        and tells systemd at once (a datagram on a new socket: nothing shared with the main thread)."""
+        self.signals.append(signum)
+        if signum != signal.SIGHUP:
+            self.service.interrupts.append(signum)
+            self.notify.send("STOPPING=1")
 
     def _one_supervisor(self) -> int:
         """One supervisor per service: a lock held for supervise's whole life (closing it releases it)."""
@@ -124,6 +124,7 @@ class Supervisor:
     def _watch(self) -> int:
         misses, last_completion, last_pid = 0, time.monotonic(), None
         while True:
+            self.beat.step(self._probe_budget())
             proc = self.service.current()
             if proc is None:  # gone between two looks (before its pidfd was open), or never came back
                 what = f"the engine (PID {last_pid}) exited" if last_pid else "the engine is not running"
@@ -145,7 +146,7 @@ class Supervisor:
                 if sig == signal.SIGHUP:
                     self._planned_restart()
                     continue
-                return self._stop(signal.Signals(sig).name)
+                raise Cut(sig)
             if exited:
                 if (rc := self._failure(f"the engine (PID {proc.pid}) exited", proc.pid)) is not None:
                     return rc
@@ -154,6 +155,11 @@ class Supervisor:
             if self._busy(proc):  # another command is restarting it, or it is still starting: not ours to judge
                 misses, last_completion = 0, time.monotonic()
                 continue
+            if proc.pid != self._serving_pid:  # another command restarted it, and it serves: ours from now on
+                self.say(f"{self.service.policy.name}: PID {proc.pid} serves now (started by another command); "
+                         "adopted")
+                self._save("serving")
+                self.notify.send(self._status())
             healthy = self._healthy()
             misses = 0 if healthy else misses + 1
             if misses >= self.cfg["health_misses"]:
@@ -167,8 +173,6 @@ class Supervisor:
             if what is not None and self._asleep(proc):  # `restartkit sleep` put it to sleep: no hang
                 misses, last_completion, what = 0, time.monotonic(), None
             if what is None:
-                if healthy and self.notify.watchdog_s:
-                    self.notify.send("WATCHDOG=1")
                 continue
             if (rc := self._failure(what, proc.pid)) is not None:
                 return rc
@@ -241,6 +245,7 @@ class Supervisor:
     def _failure(self, what: str, pid: int | None) -> int | None:
         """A crash or a hang: restart through auto unless the limit is reached (then the exit code)."""
         noticed = time.time()
+        self.beat.step(self._lock_wait() + self.cfg["backoff_max_s"] + self.service.policy.restart["stop_timeout_s"])
         self.say(f"{self.service.policy.name}: {what}")
         # another restartkit command may be restarting the engine: wait for its lock, then look again
         with self._guarded("supervise"):
@@ -249,6 +254,7 @@ class Supervisor:
                 self.say(f"{self.service.policy.name}: PID {proc.pid} serves now (restarted by another command); "
                          "adopted")
                 self._save("serving")
+                self.notify.send(self._status())
                 return None
         self.failures.append(noticed)
         window = self.cfg["start_limit_interval_s"]
@@ -262,7 +268,7 @@ class Supervisor:
             pause = min(self.cfg["backoff_max_s"], self.cfg["backoff_s"] * 2 ** (recent - 2))
             self.say(f"{self.service.policy.name}: backing off {pause:.1f} s ({recent} failures within {window:.0f} s)")
             if self._sleep(pause):
-                return self._stop(signal.Signals(self.signals.popleft()).name)
+                raise Cut(self.signals.popleft())
         if pid is not None:
             kill_tree(pid)  # a hung engine is declared dead: nothing it does now can be trusted
             self.service.seam.reap_until_gone([pid], self.service.policy.restart["stop_timeout_s"])
@@ -270,17 +276,15 @@ class Supervisor:
         return None  # not serving after it: the next turn finds nothing running, another failure, with backoff
 
     def _planned_restart(self) -> None:
+        """SIGHUP (systemd's ExecReload): RELOADING=1 until the planned restart is done, then READY=1."""
         self.say(f"{self.service.policy.name}: SIGHUP: a planned restart")
+        self.beat.step(self._lock_wait())
+        self.notify.reloading()
         self._restart("restart", {"by": "supervise", "what": "SIGHUP", "noticed_at": time.time()})
+        self.notify.send("READY=1", self._status())
 
     def _restart(self, reason: str, trigger: dict):
         svc = self.service
-        done = threading.Event()
-        if self.notify.watchdog_s:  # supervise is alive and working: the unit's watchdog must not fire
-            def ping():
-                while not done.wait(self.notify.watchdog_s / 2):
-                    self.notify.send("WATCHDOG=1")
-            threading.Thread(target=ping, daemon=True).start()
         self.notify.send(f"STATUS=restarting ({reason}): {trigger['what']}")
         try:
             with self._guarded(f"supervise restart ({reason})"):
@@ -293,8 +297,6 @@ class Supervisor:
             rec = self._cold_anyway(reason, trigger, why)
             if rec is None:
                 return None
-        finally:
-            done.set()
         self.history.append({"at": time.time(), "reason": reason, "what": trigger["what"], "served_by": rec.served_by,
                              "final_state": rec.final_state, "time_to_ready_s": rec.time_to_ready_s,
                              "noticed_to_serving_s": (rec.trigger or {}).get("noticed_to_serving_s"), "record": rec.id})
@@ -332,6 +334,7 @@ class Supervisor:
 
     def _stop(self, why: str) -> int:
         svc = self.service
+        self.beat.step(svc.policy.restart["stop_timeout_s"] + 30, Heartbeat.STOPPING)
         self.notify.send("STOPPING=1", f"STATUS=stopping ({why})")
         self.say(f"{svc.policy.name}: {why}: stopping the engine")
         with self._guarded("supervise stop"):
@@ -346,6 +349,11 @@ class Supervisor:
                 svc.engine.stop()
         except Exception as e:
             self.say(f"{svc.policy.name}: could not stop the engine: {getattr(e, 'message', None) or e}")
+        try:
+            from restartkit.record import count_give_up, textfile
+            count_give_up(svc.state_dir, svc.policy.name, textfile(svc.policy, "restarts"))
+        except OSError:
+            pass  # the state dir turned read-only: the line below still says it
         line = f"restartkit supervise: giving up on {svc.policy.name}: {why}; the engine is left stopped"
         self.notify.send(f"STATUS={line}")
         self.say(line)
@@ -384,6 +392,10 @@ class Supervisor:
         with guarded(svc, command, self._lock_wait(), self.say, defer_signals=False) as got:
             yield got
 
+    def _probe_budget(self) -> float:
+        """The longest one turn of the watch loop may take: a wait, a health check and a completion."""
+        return self.interval + self.cfg["health_timeout_s"] + self.cfg["completion_timeout_s"] + 10
+
     def _lock_wait(self) -> float:
         r = self.service.policy.restart
         return r["stop_timeout_s"] + r["start_timeout_s"] + 60
@@ -399,6 +411,8 @@ class Supervisor:
         return f"STATUS={text}"
 
     def _save(self, state: str) -> None:
+        proc = self.service.current()
+        self._serving_pid = proc.pid if proc is not None and state == "serving" else None
         window = self.cfg["start_limit_interval_s"]
         try:
             write_json_atomic(self.path, {

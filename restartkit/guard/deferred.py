@@ -11,6 +11,8 @@ import threading
 from typing import Callable, Iterator
 
 from restartkit.errors import RestartkitError
+from restartkit.process.procfs import now_ticks
+from restartkit.process.seam import Cut, cuttable
 
 DEFERRED_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 _DONE = 0  # no signal has number 0: the announcer's sign to finish
@@ -47,7 +49,7 @@ def deferred_signals(say: Callable[[str], None], what: str) -> Iterator[list[int
     def announce():
         signum = pending.get()
         if signum != _DONE:
-            say(f"restartkit: {signal.Signals(signum).name} received: finishing {what} first "
+            say(f"restartkit: {signal.Signals(signum).name} received: ending {what} at its next safe point "
                 "(every phase has a deadline), then exiting")
     teller = threading.Thread(target=announce, name="restartkit-signals", daemon=True)
     teller.start()
@@ -59,3 +61,19 @@ def deferred_signals(say: Callable[[str], None], what: str) -> Iterator[list[int
             signal.signal(s, h)
         pending.put(_DONE)
         teller.join(timeout=1.0)
+
+
+@contextlib.contextmanager
+def cut_short(service) -> Iterator[int]:
+    """Work that a termination signal may end before it is done (a restart, a start): the block
+    ends at its next wait once `service.interrupts` holds a signal (Cut), and what it started or
+    restored meanwhile is killed and reaped (`cut.killed`); an engine that ran before is left
+    alone, and the intent stays, marked, for the next command.  Yields the start, in clock ticks."""
+    since = now_ticks()
+    try:
+        with cuttable(lambda: next(iter(service.interrupts), None)):
+            yield since
+    except Cut as cut:
+        cut.killed = service.engine.kill_started(service.intent.data.get("pids") or [], since)
+        service.intent.update(cut=cut.name)
+        raise

@@ -19,7 +19,7 @@ import tenacity
 from restartkit.errors import EngineStartError
 from restartkit.files import log_tail
 from restartkit.process.procfs import reap
-from restartkit.process.seam import Seam
+from restartkit.process.seam import Seam, safe_point
 from restartkit.process.states import ALLOWED, ProcState
 
 
@@ -132,6 +132,7 @@ class EngineProcess:
     def _wait_signal(self, seconds: float) -> None:
         """Sleep until the engine's ready byte arrives, or `seconds`."""
         import select
+        safe_point()
         if self.ready_fd is None:
             return self.seam.sleep(seconds)
         if select.select([self.ready_fd], [], [], seconds)[0]:

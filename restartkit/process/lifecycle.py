@@ -149,9 +149,25 @@ class EngineLifecycle:
         the attempt started or restored, and any listener on the service's port, when created
         during this restart (`since_ticks`) under a keeper of ours.  Anything else holding a PID
         or the port is someone else's: left alone, and the start names it."""
-        port = self.policy.service["port"]
         doomed = [p for p, ticks in known if p and ticks is not None and proc_start_ticks(p) == ticks
                   and owner(p) == os.getuid()]
+        self._kill(doomed, pids, since_ticks)
+        self.pidfile.unlink(missing_ok=True)
+        return doomed
+
+    def kill_started(self, pids: list[int], since_ticks: int | None) -> list[int]:
+        """A command cut short (a signal at a safe point): kill and reap what it started or restored
+        since `since_ticks` (`pids`, and a listener on the port), as `clear_for_recovery` proves its
+        own; an engine that ran before is left as it is, and engine.json with it unless it names a
+        process killed here."""
+        recorded = self.recorded().get("pid")
+        doomed = self._kill([], pids, since_ticks)
+        if recorded in doomed:
+            self.pidfile.unlink(missing_ok=True)
+        return doomed
+
+    def _kill(self, doomed: list[int], pids: list[int], since_ticks: int | None) -> list[int]:
+        port = self.policy.service["port"]
         for p in dict.fromkeys([*pids, *listeners(port)]):
             if p and p not in doomed and ours(p, since_ticks):
                 doomed.append(p)
@@ -159,7 +175,6 @@ class EngineLifecycle:
             kill_tree(p)
         self.seam.reap_until_gone(doomed, self.policy.restart["stop_timeout_s"],
                                   also=lambda: not set(listeners(port)) & set(doomed))
-        self.pidfile.unlink(missing_ok=True)
         return doomed
 
     def start(self, strategy: str = "cold", extra_args: list[str] = (), extra_env: dict | None = None) -> Started:

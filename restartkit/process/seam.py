@@ -2,13 +2,58 @@
 pass their own; everything else gets the real one."""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from restartkit.process.procfs import exited, proc_start_ticks, reap, tree_pids
+
+
+class Cut(BaseException):
+    """A termination signal reached a safe point of a cuttable block (see `cuttable`).  A
+    BaseException, as KeyboardInterrupt: no `except Exception` of a strategy takes it for a
+    failure to recover from."""
+    record = None  # the restart's record, when a restart was cut
+    killed: list[int] = []  # what the cut work had started, killed when it was cut
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+_blocks: list[dict] = []  # the cuttable blocks we are in, innermost last: their question, and whether they were cut
+
+
+@contextlib.contextmanager
+def cuttable(pending: Callable[[], int | None]) -> Iterator[None]:
+    """Within the block every wait of restartkit's (`Seam.wait_until`, `safe_point`) is a safe point:
+    once `pending()` names a signal, the next one raises Cut in the main thread, once (the
+    clean-up's own waits after it run to their end).  Outside such a block nothing is cut."""
+    block = {"pending": pending, "cut": False}
+    _blocks.append(block)
+    try:
+        yield
+    finally:
+        _blocks.remove(block)
+
+
+def safe_point() -> None:
+    """Raise Cut here when a cuttable block was asked to end (see `cuttable`)."""
+    if not _blocks or _blocks[-1]["cut"] or threading.current_thread() is not threading.main_thread():
+        return
+    signum = _blocks[-1]["pending"]()
+    if signum:
+        _blocks[-1]["cut"] = True  # once: what cleans up after the cut waits undisturbed
+        raise Cut(signum)
 
 
 @dataclass
@@ -23,6 +68,7 @@ class Seam:
         more at the deadline).  The one poll loop: every wait of restartkit's own goes through it."""
         deadline = self.clock() + max(0.0, timeout_s)
         while True:
+            safe_point()
             if done():
                 return True
             if self.clock() >= deadline:

@@ -17,7 +17,7 @@ from pathlib import Path
 from restartkit.process import keeper
 from restartkit.process.lifecycle import ours
 from restartkit.process.procfs import kill_tree, now_ticks, proc_start_ticks, proc_state
-from restartkit.process.seam import Seam
+from restartkit.process.seam import Seam, safe_point
 from restartkit.errors import StrategyError
 from restartkit.files import log_tail
 
@@ -181,6 +181,7 @@ class Criu:
         suspicious: dict[str, float] = {}
         seen: set[int] = set()
         while True:
+            safe_point()  # a cut restore: CRIU's keeper and what it restored are in the intent, killed by the cut
             reply = ctl.read(min(0.25, max(0.0, deadline - seam.clock())))
             if reply is not None or ctl.closed or seam.clock() >= deadline:
                 return reply, None

@@ -44,9 +44,10 @@ def store_for(service) -> SnapshotStore:
 
 def snapshot_metrics(service, refresh: str | None = None) -> None:
     """Rewrite the service's snapshot.prom; a metrics file that cannot be written never fails the work."""
-    from restartkit.record import write_snapshot_metrics
+    from restartkit.record import textfile, write_snapshot_metrics
     try:
-        write_snapshot_metrics(service.state_dir, service.policy.name, store_for(service), refresh)
+        write_snapshot_metrics(service.state_dir, service.policy.name, store_for(service), refresh,
+                               textfile(service.policy, "snapshot"))
     except OSError:
         pass
 
@@ -153,7 +154,8 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
     private_files(images)
     snap = store.commit(images, manifest, make_current)
     store.prune(service.policy.criu["keep"])
-    progress(f"snapshot {snap.id}: {manifest['image_bytes'] / 1e6:.1f} MB in {dump.phases['criu_dump']:.2f} s")
+    progress(f"snapshot {snap.id}: {manifest['image_bytes'] / 1e6:.1f} MB in {dump.phases['criu_dump']:.2f} s; "
+             f"the engine served nothing for {dump.freeze_s:.2f} s (its dump)")
     return snap
 
 
@@ -183,6 +185,7 @@ def _preflight(service, facts, pid: int, pids: list[int], weightless: bool, prog
 class _Dumped:
     gpu: bool
     phases: dict[str, float] = field(default_factory=dict)
+    freeze_s: float = 0.0  # the engine served nothing from the release of its KV cache until it was put back
     shrunk: dict = field(default_factory=dict)  # what the engine freed before the dump
     reattached: dict = field(default_factory=dict)  # what it said when it took its weights back (left running)
 
@@ -199,7 +202,7 @@ def _dump(service, crit: Criu, pid: int, pids: list[int], images: Path, weightle
     checkpointed = kv_dropped = dumped = False
     try:
         check_interrupted(service, "the snapshot was not taken; the engine keeps serving")
-        t = time.monotonic()
+        t = frozen = time.monotonic()
         service.intent.update(kv_dropped="weights" if weightless else True)
         out.shrunk = adapter.before_snapshot(pol, weights=weightless)
         kv_dropped = True
@@ -221,6 +224,7 @@ def _dump(service, crit: Criu, pid: int, pids: list[int], images: Path, weightle
         crit.dump(pid, images, leave_running=leave_running, shm_files=shm_files(pids))
         dumped = True
         out.phases["criu_dump"] = round(time.monotonic() - t, 3)
+        out.freeze_s = round(time.monotonic() - frozen, 3)  # the engine is gone after it, unless put back
     except BaseException:
         if not dumped or leave_running:
             _put_back(service, pids, cuda if checkpointed else None, kv_dropped, weightless)
@@ -236,6 +240,7 @@ def _dump(service, crit: Criu, pid: int, pids: list[int], images: Path, weightle
                                 hint=f"check it with `restartkit status --policy {service.policy.path}`; "
                                      "the previous snapshot stays current") from None
         out.phases["resume"] = round(time.monotonic() - t, 3)
+        out.freeze_s = round(time.monotonic() - frozen, 3)
     return out
 
 
@@ -247,7 +252,7 @@ def _manifest(service, facts, kind: str, pid: int, pids: list[int], ident: dict,
         "canary": {"prompts": service.policy.restart["canary_prompts"], "tokens": canary},
         "criu_via": crit.last_via, "phases": dump.phases,
         "kv_cache_freed_bytes": dump.shrunk.get("kv_cache_freed_bytes", 0), "image_bytes": dir_bytes(images),
-        "left_running": leave_running, "files": image_sizes(images),
+        "left_running": leave_running, "files": image_sizes(images), "freeze_s": dump.freeze_s,
     }
     if kind == "weightless":
         # what the restore re-attaches: the weight cache's fingerprint for each rank, as the engine asked for it

@@ -83,7 +83,8 @@ def _refresh(service, facts, force: bool, say) -> int:
             tested = f", test-restored in {result['wall_s']:.1f} s with an identical canary"
         removed = store.prune(service.policy.criu["keep"])
         say(f"{service.policy.name}: new snapshot {snap.id} ({why}; {snap.manifest['image_bytes'] / 1e6:.0f} MB "
-            f"in {time.monotonic() - t0:.1f} s{tested}); pruned {len(removed)}")
+            f"in {time.monotonic() - t0:.1f} s{tested}; the engine served nothing for "
+            f"{snap.manifest.get('freeze_s', 0):.2f} s); pruned {len(removed)}")
         return EXIT_OK
     except Exception as e:
         say(f"{service.policy.name}: refresh failed: {e}; the previous snapshot stays current")
@@ -103,17 +104,26 @@ def verify(snap) -> None:
 
 
 def install_timer(service, schedule: str, unit_dir: str = "/etc/systemd/system") -> tuple[list[Path], str]:
-    """Write restartkit-refresh@<service>.service/.timer; return them and the crontab line."""
+    """Write restartkit-refresh-<service>.service/.timer; return them and the crontab line for the same
+    schedule (or, starting with '#', why cron cannot run it).  A schedule systemd refuses writes nothing."""
+    from restartkit.commands.schedule import ScheduleError, confirm, to_cron
     from restartkit.commands.units import cron_command, environment, exec_line
+    from restartkit.errors import UsageError
+    if refused := confirm(schedule):
+        raise UsageError(f"[criu] refresh: {refused}; no unit was written",
+                         hint=f"fix it in {service.policy.path} (say 'daily', 'Mon..Fri 02:00', '*-*-* 04:30:00')")
     policy = os.path.abspath(service.policy.path)
     start = exec_line(["snapshot", "refresh", "--policy", policy])
     name = f"restartkit-refresh-{service.policy.name}"
+    engine_unit = f"restartkit-{service.policy.name}.service"
     d = Path(unit_dir)
     d.mkdir(parents=True, exist_ok=True)
     svc = d / f"{name}.service"
     tmr = d / f"{name}.timer"
     svc.write_text(f"""[Unit]
 Description=restartkit: refresh the CRIU snapshot of {service.policy.name}
+# after the engine's own unit (supervise --install-unit) when both start at once, at boot say
+After={engine_unit} network-online.target
 
 [Service]
 Type=oneshot
@@ -131,6 +141,8 @@ RandomizedDelaySec=15min
 [Install]
 WantedBy=timers.target
 """)
-    cron_time = {"daily": "17 3 * * *", "hourly": "17 * * * *", "weekly": "17 3 * * 0"}.get(schedule, "17 3 * * *")
-    cron = f"{cron_time} root {cron_command(['snapshot', 'refresh', '--policy', policy])}"
+    try:
+        cron = f"{to_cron(schedule)} root {cron_command(['snapshot', 'refresh', '--policy', policy])}"
+    except ScheduleError as e:
+        cron = f"# cron cannot run [criu] refresh = {schedule!r}: {e}; use the timer, or a schedule cron can express"
     return [svc, tmr], cron

@@ -1,0 +1,161 @@
+"""supervise as systemd runs it, against a real notify socket: the watchdog fed whatever supervise
+is doing (another command's lock, a crash restart, a 20 s start), SIGTERM in the middle of a start
+or a restart honoured within stop_timeout_s and a few seconds, SIGHUP announced as a reload, and
+`restartkit restart` by hand cut the same way."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import RESTARTKIT, ROOT, run_cli
+from tests.helpers import engines_on
+
+pytestmark = pytest.mark.slow
+
+WATCHDOG_S = 4.0  # WatchdogSec=4: a WATCHDOG=1 at least every 2 s is what the unit needs
+STOP_TIMEOUT_S = 10  # the test policies' [restart] stop_timeout_s
+
+
+def slow_policy(make_policy, tmp_path):
+    """engine = "command": the reference server behind a shell that sleeps 20 s first while the
+    file `slow` exists (a start as long as a big model's, when the test wants one)."""
+    flag = tmp_path / "slow"
+    server = [sys.executable, "-m", "restartkit.reference.server", "--model", "{model}", "--host", "{host}",
+              "--port", "{port}", "--max-model-len", "{max_model_len}", "--served-model-name", "{served_model_name}",
+              "--threads", "1"]
+    argv = ["sh", "-c", f'if [ -e "{flag}" ]; then sleep 20; fi; exec "$@"', "slow-start", *server]
+    policy = make_policy(service_extra=f"command = {json.dumps(argv)}\n")
+    policy.write_text(policy.read_text().replace('engine = "reference"', 'engine = "command"')
+                      .replace('engine_args = ["--threads", "1"]', "engine_args = []"))
+    return policy, flag
+
+
+def left_running(flag) -> list[int]:
+    """Processes of the slow engine (its shell, sleeping) still alive."""
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            cmd = open(f"/proc/{d}/cmdline", "rb").read()
+            state = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[0]
+        except (OSError, ValueError, IndexError):
+            continue
+        if str(flag).encode() in cmd and state != "Z" and int(d) != os.getpid():
+            out.append(int(d))
+    return out
+
+
+def wait_for(what, timeout: float = 60, every: float = 0.1):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if got := what():
+            return got
+        time.sleep(every)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+def test_the_watchdog_is_fed_through_a_held_lock_a_crash_restart_and_a_20s_start(supervised, make_policy, tmp_path):
+    import fcntl
+    policy, flag = slow_policy(make_policy, tmp_path)
+    s = supervised(policy, env={"WATCHDOG_USEC": str(int(WATCHDOG_S * 1e6))})
+    t0 = time.monotonic()
+    s.listen(3)
+    # another command holds the service's lock (as a long `restartkit snapshot refresh` would) ...
+    fd = os.open(policy.parent / "state" / "svc" / "lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        flag.touch()  # ... and the engine crashes meanwhile; its restart will take 20 s
+        os.kill(s.status()["pid"], signal.SIGKILL)
+        s.listen(8)
+    finally:
+        os.close(fd)
+    wait_for(lambda: (s.notes(), any("restarting (crash)" in m for m in s.messages))[1], 30)
+    rec = s.wait_record(1, timeout=120)
+    s.listen(3)
+    assert rec["reason"] == "crash" and rec["final_state"] == "serving" and rec["time_to_ready_s"] > 15, rec
+    gap = s.longest_gap("WATCHDOG=1", t0)
+    assert gap <= WATCHDOG_S / 2, f"a {gap:.2f} s gap between WATCHDOG=1 (WatchdogSec={WATCHDOG_S:.0f})"
+    assert s.proc.poll() is None and s.status()["serving"]
+
+
+def test_sigterm_during_a_restarts_20s_start_stops_within_the_stop_timeout(supervised, make_policy, tmp_path):
+    policy, flag = slow_policy(make_policy, tmp_path)
+    s = supervised(policy)
+    flag.touch()
+    os.kill(s.status()["pid"], signal.SIGKILL)
+    s.wait_note("STATUS=restarting (crash)")
+    wait_for(lambda: left_running(flag))  # the new engine's shell is in its 20 s
+    time.sleep(1)
+    t0 = time.monotonic()
+    os.killpg(s.proc.pid, signal.SIGTERM)
+    s.wait_note("STOPPING=1", timeout=2)
+    assert time.monotonic() - t0 <= 2
+    assert s.proc.wait(STOP_TIMEOUT_S + 5) == 0
+    assert left_running(flag) == [] and engines_on(policy) == []
+    out = s.proc.stdout.read()
+    assert "interrupted by SIGTERM" in out, out
+    recs = s.records()
+    assert recs[-1]["reason"] == "crash" and recs[-1]["attempts"][-1]["interrupted"] == "SIGTERM", recs[-1]
+    assert recs[-1]["final_state"] == "not serving"
+    assert s.status()["supervisor"] is None
+
+
+def test_sigterm_during_the_first_20s_start_stops_at_once(supervised, make_policy, tmp_path):
+    policy, flag = slow_policy(make_policy, tmp_path)
+    flag.touch()
+    s = supervised(policy, wait_ready=False)
+    wait_for(lambda: left_running(flag))
+    s.listen(2)
+    assert any(m.startswith("EXTEND_TIMEOUT_USEC=") for m in s.messages), s.messages  # a start that runs long
+    t0 = time.monotonic()
+    os.killpg(s.proc.pid, signal.SIGTERM)
+    s.wait_note("STOPPING=1", timeout=2)
+    assert time.monotonic() - t0 <= 2
+    assert s.proc.wait(STOP_TIMEOUT_S + 5) == 0
+    assert left_running(flag) == [] and engines_on(policy) == []
+    assert "READY=1" not in s.messages
+
+
+def test_a_sighup_is_a_reload_and_an_adopted_engine_is_named(supervised):
+    s = supervised()
+    first = s.status()["pid"]
+    os.killpg(s.proc.pid, signal.SIGHUP)
+    rec = s.wait_record(1)
+    s.wait_note(f"last restart (restart): {rec['served_by']}")
+    reload_at = s.messages.index("RELOADING=1")
+    assert s.messages[reload_at + 1].startswith("MONOTONIC_USEC=")
+    assert "READY=1" in s.messages[reload_at:], s.messages
+    # another command restarts it: supervise's STATUS= names the engine it adopted
+    r = run_cli("restart", "--policy", s.policy, "--strategy", "cold", "--wait", "60", "--json")
+    assert r.returncode == 0, r.stderr
+    pid = s.status()["pid"]
+    assert pid != first
+    s.wait_note(f"STATUS=serving PID {pid}", timeout=30)
+
+
+def test_sigterm_to_restart_by_hand_cuts_it_and_the_next_command_reconciles(make_policy, tmp_path, service_cleanup):
+    policy, flag = slow_policy(make_policy, tmp_path)
+    service_cleanup(policy)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    flag.touch()
+    p = subprocess.Popen([*RESTARTKIT, "restart", "--policy", str(policy), "--strategy", "cold", "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+    wait_for(lambda: left_running(flag))
+    t0 = time.monotonic()
+    os.killpg(p.pid, signal.SIGTERM)
+    out, err = p.communicate(timeout=STOP_TIMEOUT_S + 5)
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert time.monotonic() - t0 < STOP_TIMEOUT_S + 5
+    rec = json.loads(out)
+    assert rec["final_state"] == "not serving" and rec["attempts"][-1]["interrupted"] == "SIGTERM", rec
+    assert "the next restartkit command reconciles" in rec["recovery_reason"], rec
+    assert left_running(flag) == [] and engines_on(policy) == []
+    flag.unlink()
+    r = run_cli("start", "--policy", policy, "--json")  # reconciles the cut restart: the service serves again
+    assert r.returncode == 0, r.stderr
+    assert "interrupted `restartkit restart`" in r.stderr and engines_on(policy)
+    plan = json.loads(run_cli("plan", "--policy", policy, "--json").stdout)
+    assert plan["attempt"] == "cold"
