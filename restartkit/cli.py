@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import sys
-from pathlib import Path
 
 import click
 
@@ -18,6 +18,9 @@ from restartkit.options import (Seconds, json_option, policy_option, reason_opti
                                 strategy_option, wait_option)
 
 
+COLOR = False if os.environ.get("NO_COLOR") else None  # https://no-color.org: any value turns colour off
+
+
 def friendly(fn):
     """Our errors become one clear message and their exit code, no traceback."""
     @functools.wraps(fn)
@@ -25,12 +28,13 @@ def friendly(fn):
         try:
             return fn(*args, **kwargs)
         except Cut as cut:  # a signal cut the command at a safe point (restartkit.process.seam)
-            click.secho(f"error: {cut} at a safe point; what it had started was stopped", fg="red", err=True)
+            click.secho(f"error: {cut} at a safe point; what it had started was stopped", fg="red", err=True,
+                        color=COLOR)
             click.echo("  -> the next restartkit command reconciles (`restartkit start` brings the service back)",
                        err=True)
             sys.exit(128 + cut.signum)
         except RestartkitError as e:
-            click.secho(f"error: {e.message}", fg="red", err=True)
+            click.secho(f"error: {e.message}", fg="red", err=True, color=COLOR)
             if e.hint:
                 click.echo(f"  -> {e.hint}", err=True)
             tail = getattr(e, "log_tail", "")
@@ -47,6 +51,17 @@ def emit(data: dict, as_json: bool, text: str) -> None:
 
 def say(msg: str) -> None:
     click.echo(msg, err=True)
+
+
+def quiet(_msg: str) -> None:
+    """Progress under --json: stdout holds the JSON only, and stderr stays for errors."""
+
+
+def progress_for(svc, as_json: bool):
+    """What a command says as it works (stderr; nothing with --json), the engine's start included."""
+    talk = quiet if as_json else say
+    svc.engine.progress = talk
+    return talk
 
 
 def guarded(svc, command: str, wait_s: float = 0.0, **kw):
@@ -121,7 +136,12 @@ def policy_check(file, as_json):
 @state_dir_option
 @friendly
 def plan(policy_path, strategy, reason, as_json):
-    """Dry run: every strategy, eligible or not, with every reason."""
+    """Dry run: every strategy, eligible or not, with every reason.
+
+    \b
+    Examples:
+      restartkit plan --policy llm.toml                       # what `restart` would do now, and why
+      restartkit plan --policy llm.toml --reason crash --json # what supervise would do after a crash"""
     from restartkit.planner import render_plan
     from restartkit.restart import plan_for
     p, _facts = plan_for(load(policy_path), strategy, reason)
@@ -141,7 +161,16 @@ def plan(policy_path, strategy, reason, as_json):
 @state_dir_option
 @friendly
 def restart(policy_path, strategy, reason, strict, overlap, measure_downtime, wait_s, as_json):
-    """Restart a service: plan, run the chosen strategy, prove it, recover on failure."""
+    """Restart a service: plan, run the chosen strategy, prove it, recover on failure.
+
+    A SIGTERM or Ctrl-C ends it at its next safe point (what it started is stopped; the next command
+    reconciles) and exits 128+N.
+
+    \b
+    Examples:
+      restartkit restart --policy llm.toml                          # auto: the fastest eligible, proven
+      restartkit restart --policy llm.toml --strategy ipc --strict  # exit 3 if only a cold start served
+      restartkit restart --policy llm.toml --measure-downtime --json"""
     restart_and_exit(policy_path, strategy, as_json, "restart", wait_s, reason=reason, strict=strict, overlap=overlap,
                      measure_downtime=measure_downtime)
 
@@ -151,9 +180,10 @@ def restart_and_exit(policy_path, strategy: str, as_json: bool, command: str, wa
     """Run one restart, print its record, exit with the record's code."""
     from restartkit.restart import restart as do_restart
     svc = load(policy_path)
+    talk = progress_for(svc, as_json)
     try:
         with guarded(svc, command, wait_s):
-            rec = do_restart(svc, strategy, reason, strict, say=say, **options)
+            rec = do_restart(svc, strategy, reason, strict, say=talk, **options)
     except Cut as cut:  # cut at a safe point: its record says so, the exit code says by what
         if cut.record is None:
             raise
@@ -173,6 +203,7 @@ def start(policy_path, wait_s, as_json):
     """Start the service's engine (a cold start) and wait until it answers."""
     from restartkit.guard.deferred import cut_short
     svc = load(policy_path)
+    progress_for(svc, as_json)
     with guarded(svc, "start", wait_s):
         if (proc := svc.current()) is not None:
             emit({"state": "running", "pid": proc.pid}, as_json, f"{svc.policy.name} already runs (PID {proc.pid})")
@@ -251,20 +282,35 @@ def status(policy_path, as_json):
               type=click.Path(file_okay=False, exists=True, writable=True))
 @click.option("--watchdog-sec", type=click.IntRange(min=0, max=86400), default=0, show_default=True,
               help="With --install-unit: WatchdogSec= of the unit (0: none).")
+@click.option("--user", "unit_user", default=None, metavar="NAME",
+              help="With --install-unit: User= of the unit (policies without CRIU; the state root is pinned).")
 @state_dir_option
 @friendly
-def supervise(policy_path, install_unit, unit_dir, watchdog_sec):
+def supervise(policy_path, install_unit, unit_dir, watchdog_sec, unit_user):
     """Run the engine in the foreground and bring it back on a crash or a hang (auto, reason crash).
 
-    SIGTERM/SIGINT stop it and exit 0; SIGHUP restarts it (reason restart).  Too many failures
-    within [supervise] start_limit_interval_s: the engine is left stopped and this exits 1."""
-    from restartkit.commands.supervise import Supervisor, install_unit as write_unit
+    SIGTERM/SIGINT end a start or restart at its next safe point, stop the engine and exit 0; SIGHUP
+    restarts it (reason restart).  Too many failures within [supervise] start_limit_interval_s: the
+    engine is left stopped and this exits 1.
+
+    \b
+    Examples:
+      restartkit supervise --policy llm.toml
+      restartkit preload --policy llm.toml --install-unit        # the weight cache's unit first
+      restartkit supervise --policy llm.toml --install-unit --watchdog-sec 60
+      systemctl daemon-reload && systemctl enable --now restartkit-wc-llm restartkit-llm"""
+    from restartkit.commands.supervise import Supervisor
+    from restartkit.commands.units import supervise_unit
     svc = load(policy_path)
     if install_unit:
-        path = write_unit(svc, unit_dir, watchdog_sec)
+        path = supervise_unit(svc, unit_dir, watchdog_sec, unit_user)
         click.echo(f"wrote {path}")
-        click.echo(f"enable it: systemctl daemon-reload && systemctl enable --now {Path(path).name}")
+        click.echo(f"enable it: systemctl daemon-reload && systemctl enable --now {path.name}")
+        if unit_user:
+            click.echo(f"run restartkit for this service as {unit_user} (sudo -u {unit_user} restartkit status "
+                       f"--policy {svc.policy.path}): its state dir is {unit_user}'s")
         return
+    svc.engine.progress = say
     sys.exit(Supervisor(svc, say=say).run())
 
 
@@ -322,10 +368,30 @@ def history(policy_path, last, as_json):
               help="Seconds for every local rank to be ready.")
 @click.option("--detach", is_flag=True, help="Run the launcher in the background; return once every rank is ready.")
 @click.option("--wait-ready", is_flag=True, help="Start nothing: wait until a running weight cache is ready.")
+@click.option("--install-unit", is_flag=True, help="Write a systemd unit for the weight cache (before the engine's), and exit.")
+@click.option("--unit-dir", default="/etc/systemd/system", show_default=True,
+              type=click.Path(file_okay=False, exists=True, writable=True))
+@click.option("--user", "unit_user", default=None, metavar="NAME", help="With --install-unit: User= of the unit.")
 @state_dir_option
 @friendly
-def preload(policy_path, detach, wait_ready, **flags):
-    """Start the weight-cache daemons (one per local device) and keep them running."""
+def preload(policy_path, detach, wait_ready, install_unit, unit_dir, unit_user, **flags):
+    """Start the weight-cache daemons (one per local device) and keep them running.
+
+    \b
+    Examples:
+      restartkit preload --policy llm.toml                 # foreground (a unit's, a container's)
+      restartkit preload --policy llm.toml --detach        # returns once every rank holds the weights
+      restartkit preload --policy llm.toml --install-unit  # restartkit-wc-llm.service, before restartkit-llm"""
+    if install_unit:
+        from restartkit.commands.units import weight_cache_unit
+        from restartkit.errors import UsageError
+        if not policy_path:
+            raise UsageError("--install-unit needs --policy: the unit runs the weight cache of a service")
+        path = weight_cache_unit(load(policy_path), unit_dir, unit_user)
+        click.echo(f"wrote {path}")
+        click.echo(f"enable it: systemctl daemon-reload && systemctl enable --now {path.name}; then install "
+                   "the engine's unit (supervise --install-unit), which orders itself after this one")
+        return
     from restartkit.weightcache.prelaunch import preload_command
     sys.exit(preload_command(policy_path, flags, detach=detach, wait_ready=wait_ready, say=click.echo,
                              state_root=state_root()))
@@ -489,7 +555,8 @@ def snapshot_restore(policy_path, wait_s, as_json):
     from restartkit.snapshot.ops import store_for
     cur = store_for(load(policy_path)).current()
     strategy = "criu+ipc" if cur is not None and cur.manifest.get("kind") == "weightless" else "criu"
-    restart_and_exit(policy_path, strategy, as_json, "snapshot restore", wait_s)
+    # strict: a restore that only a recovery (a cold start) served exits 3, not 0
+    restart_and_exit(policy_path, strategy, as_json, "snapshot restore", wait_s, strict=True)
 
 
 @snapshot.command("list")
@@ -609,7 +676,15 @@ def snapshot_prune(policy_path, keep, wait_s):
 @state_dir_option
 @friendly
 def snapshot_refresh(policy_path, force, install_timer, unit_dir, wait_s):
-    """For cron or a systemd timer: a new snapshot when the current one is stale. Exit 75 when another refresh runs."""
+    """For cron or a systemd timer: a new snapshot when the current one is stale. Exit 75 when another refresh runs.
+
+    The engine serves nothing while it is dumped (the line printed says how long).
+
+    \b
+    Examples:
+      restartkit snapshot refresh --policy llm.toml            # only when stale, suspect or changed
+      restartkit snapshot refresh --policy llm.toml --force
+      restartkit snapshot refresh --policy llm.toml --install-timer   # [criu] refresh as a timer, and a cron line"""
     from restartkit.snapshot.refresh import install_timer as install, refresh
     if install_timer:
         svc = load(policy_path)
@@ -724,11 +799,13 @@ def bench(policy_path, strategies, repeat, out, wait_s, as_json):
 @main.command()
 @click.option("--workdir", default="~/.cache/restartkit/demo", show_default=True, type=click.Path(file_okay=False))
 @click.option("--repeat", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8199, show_default=True,
+              help="The demo engine's port (another one when this is taken).")
 @friendly
-def demo(workdir, repeat):
+def demo(workdir, repeat, port):
     """The main job on the embedded reference model, end to end on this machine."""
     from restartkit.commands.demo import run_demo
-    sys.exit(run_demo(workdir, repeat, say=click.echo, state_root=state_root()))
+    sys.exit(run_demo(workdir, repeat, say=click.echo, state_root=state_root(), port=port))
 
 
 if __name__ == "__main__":

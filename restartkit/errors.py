@@ -29,9 +29,20 @@ class PolicyError(UsageError):
     """A policy file is wrong: names the file, the key, the value and what is allowed."""
 
     def __init__(self, path, key: str, problem: str, allowed: str | None = None):
-        self.path, self.key = str(path), key
+        self.path, self.key, self.problem = str(path), key, problem
         msg = f"{path}: [{key}] {problem}" if key else f"{path}: {problem}"
         super().__init__(msg, hint=allowed)
+
+
+class PolicyErrors(PolicyError):
+    """Several problems of one policy file, each named as PolicyError names one."""
+
+    def __init__(self, path, errors: list[PolicyError]):
+        self.errors = errors
+        lines = [f"  [{e.key}] {e.problem}" + (f" ({e.hint})" if e.hint else "") for e in errors]
+        UsageError.__init__(self, f"{path}: {len(errors)} problems:\n" + "\n".join(lines),
+                            hint="fix them all; `restartkit policy check` says when the file is right")
+        self.path, self.key = str(path), errors[0].key
 
 
 class EngineStartError(RestartkitError):

@@ -17,7 +17,7 @@ from typing import Any
 
 from restartkit.contracts import STRATEGY_NAMES
 from restartkit.engines import ENGINE_NAMES
-from restartkit.errors import PolicyError
+from restartkit.errors import PolicyError, PolicyErrors
 from restartkit.weightcache.loader import DEFAULTS as LOADER
 
 DEFAULT_STATE_ROOT = "~/.local/state/restartkit"
@@ -301,41 +301,52 @@ def expand(value: str) -> str:
 
 
 def parse_policy(data: dict, path: str = "<policy>") -> Policy:
-    """Check `data` against SCHEMA; fill defaults.  Pure: no I/O."""
-    unknown = set(data) - set(SCHEMA)
-    if unknown:
-        raise PolicyError(path, sorted(unknown)[0], "is not a section", f"sections are: {', '.join(SCHEMA)}")
+    """Check `data` against SCHEMA; fill defaults.  Pure: no I/O.  Every problem of the file is
+    named at once (PolicyErrors); the checks across keys run once each key is right."""
+    errors: list[PolicyError] = [PolicyError(path, sec, "is not a section", f"sections are: {', '.join(SCHEMA)}")
+                                 for sec in sorted(set(data) - set(SCHEMA))]
     sections: dict[str, dict] = {}
     for sec, keys in SCHEMA.items():
         raw = data.get(sec, {})
         if not isinstance(raw, dict):
-            raise PolicyError(path, sec, "must be a table", f"write it as [{sec}]")
-        if sec in MOVED and (moved := set(raw) & set(MOVED[sec])):
-            k = sorted(moved)[0]
-            raise PolicyError(path, f"{sec}.{k}", "has moved", MOVED[sec][k])
-        extra = set(raw) - set(keys)
-        if extra:
-            k = sorted(extra)[0]
-            raise PolicyError(path, f"{sec}.{k}", "is not a known key", f"keys of [{sec}] are: {', '.join(keys)}")
-        out = {}
-        for k, spec in keys.items():
-            where = f"{sec}.{k}"
-            if k not in raw:
-                if spec.default is None:
-                    raise PolicyError(path, where, "is required", spec.doc or None)
-                out[k] = spec.default
-                continue
-            v = raw[k]
-            types = spec.type if isinstance(spec.type, tuple) else (spec.type,)
-            # bool is an int in Python; a policy that says `port = true` is wrong.
-            if isinstance(v, bool) and bool not in types or not isinstance(v, types):
-                raise PolicyError(path, where, f"is {show(v)} ({type(v).__name__})", f"must be {_typename(spec.type)}")
-            if spec.allowed is not None and v not in spec.allowed:
-                raise PolicyError(path, where, f"is {show(v)}", f"allowed: {', '.join(map(str, spec.allowed))}")
-            if spec.check is not None and (problem := spec.check(v)):
-                raise PolicyError(path, where, f"is {show(v)}: {problem}", spec.doc or None)
+            errors.append(PolicyError(path, sec, "must be a table", f"write it as [{sec}]"))
+            raw = {}
+        sections[sec] = _section(path, sec, raw, keys, errors)
+    if errors:
+        raise errors[0] if len(errors) == 1 else PolicyErrors(path, errors)
+    return _across(path, sections)
+
+
+def _section(path: str, sec: str, raw: dict, keys: dict[str, Key], errors: list) -> dict:
+    for k in sorted(set(raw) & set(MOVED.get(sec, {}))):
+        errors.append(PolicyError(path, f"{sec}.{k}", "has moved", MOVED[sec][k]))
+    for k in sorted(set(raw) - set(keys) - set(MOVED.get(sec, {}))):
+        errors.append(PolicyError(path, f"{sec}.{k}", "is not a known key", f"keys of [{sec}] are: {', '.join(keys)}"))
+    out = {}
+    for k, spec in keys.items():
+        where = f"{sec}.{k}"
+        if k not in raw:
+            if spec.default is None:
+                errors.append(PolicyError(path, where, "is required", spec.doc or None))
+            out[k] = spec.default
+            continue
+        v = raw[k]
+        types = spec.type if isinstance(spec.type, tuple) else (spec.type,)
+        # bool is an int in Python; a policy that says `port = true` is wrong.
+        if isinstance(v, bool) and bool not in types or not isinstance(v, types):
+            errors.append(PolicyError(path, where, f"is {show(v)} ({type(v).__name__})", f"must be {_typename(spec.type)}"))
+        elif spec.allowed is not None and v not in spec.allowed:
+            errors.append(PolicyError(path, where, f"is {show(v)}", f"allowed: {', '.join(map(str, spec.allowed))}"))
+        elif spec.check is not None and (problem := spec.check(v)):
+            errors.append(PolicyError(path, where, f"is {show(v)}: {problem}", spec.doc or None))
+        else:
             out[k] = float(v) if spec.type == (int, float) else v
-        sections[sec] = out
+            continue
+        out[k] = spec.default
+    return out
+
+
+def _across(path: str, sections: dict[str, dict]) -> Policy:
     svc = sections["service"]
     if svc["engine"] == "command" and not svc["command"]:
         raise PolicyError(path, "service.command", "is required when engine = 'command'", "give the engine's argv as a list")

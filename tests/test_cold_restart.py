@@ -74,7 +74,8 @@ def test_openai_client_is_token_identical_across_a_restart(make_policy, service_
 
     before = ask()
     assert len(before[1]) == 12
-    assert run_cli("restart", "--policy", policy, "--strategy", "cold").returncode == 0
+    r = run_cli("restart", "--policy", policy, "--strategy", "cold")
+    assert r.returncode == 0, r.stdout + r.stderr
     assert ask() == before
 
 

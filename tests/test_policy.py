@@ -1,7 +1,7 @@
 """Policy files: defaults, and errors that name the file, the key and what is allowed."""
 import pytest
 
-from restartkit.commands.demo import DEFAULT_WORKDIR, DEMO_POLICY
+from restartkit.commands.demo import DEFAULT_PORT, DEFAULT_WORKDIR, DEMO_POLICY
 from restartkit.errors import PolicyError
 from restartkit.policy import load_policy, parse_policy
 from tests.conftest import ROOT
@@ -69,4 +69,4 @@ def test_example_policies_parse():
 
 
 def test_demo_policy_file_matches_the_embedded_template():
-    assert (ROOT / "policies" / "demo.toml").read_text() == DEMO_POLICY.format(workdir=DEFAULT_WORKDIR)
+    assert (ROOT / "policies" / "demo.toml").read_text() == DEMO_POLICY.format(workdir=DEFAULT_WORKDIR, port=DEFAULT_PORT)

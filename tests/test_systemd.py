@@ -109,7 +109,9 @@ def test_sigterm_during_the_first_20s_start_stops_at_once(supervised, make_polic
     s = supervised(policy, wait_ready=False)
     wait_for(lambda: left_running(flag))
     s.listen(2)
-    assert any(m.startswith("EXTEND_TIMEOUT_USEC=") for m in s.messages), s.messages  # a start that runs long
+    # a start that runs long: TimeoutStartSec extended to what the policy allows now, whatever the unit said
+    extend = [int(m.split("=")[1]) for m in s.messages if m.startswith("EXTEND_TIMEOUT_USEC=")]
+    assert extend and max(extend) >= 60e6, s.messages  # [restart] start_timeout_s = 60
     t0 = time.monotonic()
     os.killpg(s.proc.pid, signal.SIGTERM)
     s.wait_note("STOPPING=1", timeout=2)
@@ -159,3 +161,49 @@ def test_sigterm_to_restart_by_hand_cuts_it_and_the_next_command_reconciles(make
     assert "interrupted `restartkit restart`" in r.stderr and engines_on(policy)
     plan = json.loads(run_cli("plan", "--policy", policy, "--json").stdout)
     assert plan["attempt"] == "cold"
+
+
+def test_the_weight_cache_unit_comes_first_and_both_units_load(make_policy, tmp_path):
+    policy = make_policy()
+    units = tmp_path / "units"
+    units.mkdir()
+    r = run_cli("preload", "--policy", policy, "--install-unit", "--unit-dir", units)
+    assert r.returncode == 0, r.stderr
+    r = run_cli("supervise", "--policy", policy, "--install-unit", "--unit-dir", units, "--watchdog-sec", "30")
+    assert r.returncode == 0, r.stderr
+    cache = (units / "restartkit-wc-svc.service").read_text()
+    engine = (units / "restartkit-svc.service").read_text()
+    assert "Before=restartkit-svc.service" in cache and "--wait-ready" in cache.split("ExecStartPost=")[1]
+    assert "Wants=network-online.target restartkit-wc-svc.service" in engine
+    assert "After=network-online.target restartkit-wc-svc.service" in engine
+    verify(units / "restartkit-svc.service", units / "restartkit-wc-svc.service")
+
+
+def test_a_unit_for_another_user_pins_the_state_root_and_is_refused_for_criu(make_policy, tmp_path):
+    import pwd
+    units = tmp_path / "units"
+    units.mkdir()
+    policy = make_policy()
+    policy.write_text("\n".join(ln for ln in policy.read_text().splitlines() if not ln.startswith("state_dir")))
+    r = run_cli("supervise", "--policy", policy, "--install-unit", "--unit-dir", units, "--user", "nobody")
+    assert r.returncode == 0, r.stderr
+    engine = (units / "restartkit-svc.service").read_text()
+    assert "User=nobody\n" in engine and "sudo -u nobody restartkit status" in r.stdout
+    # nobody's home, not the caller's: the CLI run as nobody finds the same lock, history and metrics
+    home = pwd.getpwnam("nobody").pw_dir
+    assert f'Environment="RESTARTKIT_STATE_DIR={home}/.local/state/restartkit"' in engine or \
+        f"Environment=RESTARTKIT_STATE_DIR={home}/.local/state/restartkit" in engine, engine
+    verify(units / "restartkit-svc.service")
+    criu = make_policy(name="c")
+    criu.write_text(criu.read_text().replace("[restart]\n", '[restart]\nstrategies = ["criu", "cold"]\n'))
+    r = run_cli("supervise", "--policy", criu, "--install-unit", "--unit-dir", units, "--user", "nobody")
+    assert r.returncode == 2 and "lists criu, which needs root" in r.stderr, r.stderr
+    assert not (units / "restartkit-c.service").exists()
+
+
+def verify(*units) -> None:
+    import shutil
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("no systemd-analyze (scripts/install-tools installs it)")
+    v = subprocess.run(["systemd-analyze", "verify", *map(str, units)], capture_output=True, text=True)
+    assert v.returncode == 0, v.stderr

@@ -24,7 +24,7 @@ name = "demo"
 engine = "reference"
 model = "{workdir}/models/small"
 host = "127.0.0.1"
-port = 8199
+port = {port}
 device = "cpu"
 max_model_len = 512
 engine_args = ["--threads", "1"]
@@ -51,9 +51,13 @@ level = 1
 """
 
 
+DEFAULT_PORT = 8199
+
+
 def run_demo(workdir: str = DEFAULT_WORKDIR, repeat: int = 2, say: Callable[[str], None] = print,
-             state_root: str = "") -> int:
-    """`state_root`: where the demo service's state dir lives (default: in the workdir)."""
+             state_root: str = "", port: int = DEFAULT_PORT) -> int:
+    """`state_root`: where the demo service's state dir lives (default: in the workdir); `port`: the
+    demo engine's (another one when 8199 is taken)."""
     from restartkit.commands.bench import render_bench, run_bench
     from restartkit.planner import render_plan
     from restartkit.record import render_record
@@ -69,7 +73,7 @@ def run_demo(workdir: str = DEFAULT_WORKDIR, repeat: int = 2, say: Callable[[str
         say(f"== creating the small reference checkpoint in {model_dir}")
         write_checkpoint(model_dir, "small")
     policy_path = root / "demo.toml"
-    policy_path.write_text(DEMO_POLICY.format(workdir=workdir))
+    policy_path.write_text(DEMO_POLICY.format(workdir=workdir, port=port))
     svc = Service.from_policy_file(policy_path, state_root or str(root / "state"))
 
     say(f"== starting the reference engine (policy {policy_path})")

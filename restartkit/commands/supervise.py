@@ -455,35 +455,4 @@ def read_state(state_dir) -> dict | None:
     return data if holder_alive(data) else None
 
 
-def install_unit(service, unit_dir: str, watchdog_s: int = 0) -> str:
-    """A systemd unit running `restartkit supervise` for this service; returns its path."""
-    from pathlib import Path
-    from restartkit.commands.units import environment, exec_line
-    start = exec_line(["supervise", "--policy", os.path.abspath(service.policy.path)])
-    r = service.policy.restart
-    path = Path(unit_dir) / f"restartkit-{service.policy.name}.service"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"""[Unit]
-Description=restartkit: {service.policy.name}, supervised (crashes come back through the fastest proven path)
-Wants=network-online.target
-After=network-online.target
-
-[Service]
-Type=notify
-NotifyAccess=main
-{environment(service)}ExecStart={start}
-ExecReload=/bin/kill -HUP $MAINPID
-KillMode=mixed
-TimeoutStartSec={int(r['start_timeout_s'] + 60)}
-TimeoutStopSec={int(r['stop_timeout_s'] + 30)}
-{f'WatchdogSec={watchdog_s}' if watchdog_s else '# WatchdogSec=60  (supervise pings while the engine passes its probes)'}
-Restart=on-failure
-RestartSec=5
-
-[Install]
-WantedBy=multi-user.target
-""")
-    return str(path)
-
-
-__all__ = ["Supervisor", "Notifier", "read_state", "install_unit", "EXIT_GAVE_UP"]
+__all__ = ["Supervisor", "Notifier", "read_state", "EXIT_GAVE_UP"]

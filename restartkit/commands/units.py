@@ -1,11 +1,17 @@
-"""What the systemd units restartkit writes (supervise --install-unit, snapshot refresh
---install-timer) run: the command line, quoted by systemd's rules, so that a policy path with a
-space stays one argument and nothing in it adds a line or expands a specifier."""
+"""The systemd units restartkit writes: the engine's (supervise --install-unit), its weight
+cache's (preload --install-unit: ready before the engine's unit starts), and the snapshot refresh's
+timer (restartkit.snapshot.refresh).  Each runs the restartkit the user ran, with the state root the
+command line chose, its arguments quoted by systemd's rules (a policy path with a space stays one
+argument; nothing in it adds a line or expands a specifier).  Timeouts are floors: supervise extends
+them (EXTEND_TIMEOUT_USEC) to what the policy says when it runs, so a policy that later allows a
+longer start is not cut by a unit written before."""
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import sys
+from pathlib import Path
 
 from restartkit.errors import UsageError
 
@@ -51,10 +57,99 @@ def _restartkit() -> list[str]:
     return [found] if found else [sys.executable, "-m", "restartkit.cli"]
 
 
-def environment(service) -> str:
+def environment(service, user: str | None = None) -> str:
     """Environment= lines for what the command line chose and the unit must keep (the state root:
-    another one would be another lock, history and metrics); empty when nothing was chosen."""
+    another one would be another lock, history and metrics); empty when nothing was chosen.  With
+    `user`, the root is pinned even when not chosen: that user's home is not the caller's."""
     root = service.policy.state_root
+    if not root and user and not service.policy.sections["service"]["state_dir"]:
+        root = os.path.join(pwd.getpwnam(user).pw_dir, ".local", "state", "restartkit")
     if not root:
         return ""
     return "Environment=" + quote(f"RESTARTKIT_STATE_DIR={os.path.abspath(os.path.expanduser(root))}") + "\n"
+
+
+def engine_unit(name: str) -> str:
+    return f"restartkit-{name}.service"
+
+
+def cache_unit(name: str) -> str:
+    return f"restartkit-wc-{name}.service"
+
+
+def supervise_unit(service, unit_dir: str, watchdog_s: int = 0, user: str | None = None) -> Path:
+    """restartkit-<name>.service: `restartkit supervise` for the service, after its weight cache's unit
+    when that one is installed beside it; `user`: User= (policies without CRIU only)."""
+    start = exec_line(["supervise", "--policy", os.path.abspath(service.policy.path)])
+    r = service.policy.restart
+    name = service.policy.name
+    d = Path(unit_dir)
+    cache = (d / cache_unit(name)).exists()
+    path = d / engine_unit(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"""[Unit]
+Description=restartkit: {name}, supervised (crashes come back through the fastest proven path)
+Wants=network-online.target{f" {cache_unit(name)}" if cache else ""}
+After=network-online.target {cache_unit(name)}
+
+[Service]
+Type=notify
+NotifyAccess=main
+{_user(service, user)}{environment(service, user)}ExecStart={start}
+ExecReload=/bin/kill -HUP $MAINPID
+KillMode=mixed
+# floors: supervise extends both to the policy's numbers at the time (EXTEND_TIMEOUT_USEC)
+TimeoutStartSec={int(r['stop_timeout_s'] + r['start_timeout_s'] + 60)}
+TimeoutStopSec={int(r['stop_timeout_s'] + 30)}
+{f'WatchdogSec={watchdog_s}' if watchdog_s else '# WatchdogSec=60  (supervise feeds it while its loop makes progress)'}
+Restart=on-failure
+RestartSec=5
+
+[Install]
+WantedBy=multi-user.target
+""")
+    return path
+
+
+def weight_cache_unit(service, unit_dir: str, user: str | None = None) -> Path:
+    """restartkit-wc-<name>.service: the weight-cache daemons (`restartkit preload`), active only once
+    they hold the weights (ExecStartPost waits), ordered before the engine's unit."""
+    policy = os.path.abspath(service.policy.path)
+    name = service.policy.name
+    path = Path(unit_dir) / cache_unit(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"""[Unit]
+Description=restartkit: the weight cache of {name} (its engine's unit starts once it holds the weights)
+Wants=network-online.target
+After=network-online.target
+Before={engine_unit(name)}
+
+[Service]
+Type=exec
+{_user(service, user)}{environment(service, user)}ExecStart={exec_line(["preload", "--policy", policy])}
+ExecStartPost={exec_line(["preload", "--policy", policy, "--wait-ready"])}
+TimeoutStartSec={int(service.policy.ipc["startup_timeout_s"] + 60)}
+TimeoutStopSec=30
+KillMode=mixed
+Restart=on-failure
+RestartSec=5
+
+[Install]
+WantedBy=multi-user.target
+""")
+    return path
+
+
+def _user(service, user: str | None) -> str:
+    """User= for a unit that need not run as root: refused for a policy that lists a CRIU strategy."""
+    if not user:
+        return ""
+    wants = [s for s in service.policy.restart["strategies"] if s.startswith("criu")]
+    if wants:
+        raise UsageError(f"{service.policy.path} lists {wants[0]}, which needs root: a unit with User={user} "
+                         "could never run it", hint="drop --user, or the CRIU strategies from [restart] strategies")
+    try:
+        pwd.getpwnam(user)
+    except KeyError:
+        raise UsageError(f"no user {user!r} on this machine", hint="create it first (useradd --system ...)") from None
+    return "User=" + quote(user) + "\n"

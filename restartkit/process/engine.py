@@ -77,17 +77,22 @@ class EngineProcess:
         return self.seam.alive(self.pid, self.create_time, self.start_ticks)
 
     def wait_ready(self, probe: Callable[[], None], timeout_s: float, interval_s: float = 0.05,
-                   signal_interval_s: float = 1.0) -> float:
+                   signal_interval_s: float = 1.0, progress: Callable[[str], None] | None = None,
+                   every_s: float = 15.0) -> float:
         """Probe until it passes; returns seconds waited.  Raises
         EngineStartError (state FATAL) when the process exits or the deadline passes.
         With a ready signal (ready_fd), probe when it comes (or every signal_interval_s,
         in case it never does) instead of every interval_s: no polling lag, and no
         stream of probes answered by an engine that is busy starting."""
         t0 = self.seam.clock()
+        told = [t0]
 
         def attempt():
             if not self.alive():
                 raise ExitedEarly()
+            if progress is not None and self.seam.clock() - told[0] >= every_s:
+                told[0] = self.seam.clock()
+                progress(f"PID {self.pid}: still starting ({told[0] - t0:.0f} s of {timeout_s:.0f} s)")
             self.probes += 1
             try:
                 probe()

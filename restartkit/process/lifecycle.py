@@ -87,6 +87,7 @@ class EngineLifecycle:
         # engine last started or adopted is kept here instead.
         self.degraded = False
         self.last: EngineProcess | None = None
+        self.progress: Callable[[str], None] = lambda _m: None  # what a start is doing, as it happens (stderr)
 
     @property
     def pidfile(self) -> Path:
@@ -188,10 +189,13 @@ class EngineLifecycle:
             s = self.policy.service
             raise EngineStartError(f"port {s['port']} is already in use by {holder}",
                                    hint=f"stop that process, or set another [service] port in {self.policy.path}")
+        self.progress(f"{self.policy.name}: starting the engine ({strategy}); its log: {self.log_path}")
         proc, log_offset = self.spawn(strategy, extra_args, extra_env)
         self._write_pidfile(proc, strategy, ready=False)
+        timeout = self.policy.restart["start_timeout_s"]
+        self.progress(f"{self.policy.name}: PID {proc.pid}: waiting for it to answer (up to {timeout:.0f} s)")
         try:
-            ready_s = proc.wait_ready(lambda: self.adapter.probe(self.policy), self.policy.restart["start_timeout_s"])
+            ready_s = proc.wait_ready(lambda: self.adapter.probe(self.policy), timeout, progress=self.progress)
         except EngineStartError:
             if proc.alive():
                 proc.stop(timeout_s=5)
