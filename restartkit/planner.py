@@ -63,6 +63,9 @@ def make_plan(facts: Facts, policy, requested: str, strategies: dict, overlap: b
     if attempt is None:
         notes.append("nothing can run: even a cold start is not possible (" + "; ".join(verdicts[RECOVERY].reasons) + ")")
     snap = facts.of("criu")
+    if snap.get("current") and snap.get("freeze_s") is not None and attempt in ("criu", "criu+ipc"):
+        notes.append(f"taking snapshot {snap['current']} ({snap.get('kind')}) froze the engine for "
+                     f"{snap['freeze_s']:.2f} s: each refresh does so again (clients get errors meanwhile)")
     if attempt == "criu" and snap.get("current") and snap.get("tested") is None:
         notes.append(f"snapshot {snap['current']} has never been test-restored "
                      f"(`restartkit snapshot test --policy {policy.path}` restores a copy beside the engine)")

@@ -2,6 +2,7 @@
 """`restartkit supervise` against crashes: SIGKILL the engine N times, time kill -> serving again.
 
     python3 scripts/supervise_bench.py [--preset small] [--kills 5] [--device cpu|cuda] [--work DIR]
+                                        [--watchdog-sec 4] [--sigterm-mid-restart]
 
 With the weight cache running (auto brings a crash back through ipc), without it (a cold
 restart: what systemd's Restart= alone would give), and (--modes snapshot) with the cache and a
@@ -9,6 +10,12 @@ weights-less snapshot of the engine on it (auto ranks criu+ipc first: a crash co
 CRIU restore with the weights re-attached; needs root and CRIU).  Each crash is timed from the
 kill to a completion answered again (the client's view), and the record's own numbers are
 reported (noticed -> serving, strategy, canary).
+
+supervise runs as systemd runs it: on a notify socket of this script's, with WATCHDOG_USEC
+(--watchdog-sec); the longest gap between two WATCHDOG=1 is reported per mode (it must stay under
+half of WatchdogSec through every crash restart).  --sigterm-mid-restart: after the kills, one more
+crash, and SIGTERM to supervise while that restart runs: the time to STOPPING=1 and to supervise's
+exit (at most [restart] stop_timeout_s + 5 s), and nothing of the engine left on the port.
 """
 from __future__ import annotations
 
@@ -16,9 +23,11 @@ import argparse
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -44,14 +53,63 @@ def answers(port: int) -> bool:
         return False
 
 
-def run(pol: Path, port: int, kills: int, with_cache: bool, snapshot: bool = False) -> list[dict]:
+class Notes:
+    """systemd's side of the notify socket: every message, timed as it arrives."""
+
+    def __init__(self, path: Path):
+        path.unlink(missing_ok=True)
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.settimeout(0.2)
+        self.timed: list[tuple[float, str]] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        while True:
+            try:
+                data = self.sock.recv(4096)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            now = time.monotonic()
+            self.timed += [(now, line) for line in data.decode().splitlines()]
+
+    def first(self, word: str, since: float) -> float | None:
+        return next((t for t, line in list(self.timed) if t >= since and line.startswith(word)), None)
+
+    def longest_gap(self, word: str, since: float, until: float) -> float:
+        ts = [since] + [t for t, line in list(self.timed) if since <= t <= until and line.startswith(word)] + [until]
+        return max(b - a for a, b in zip(ts, ts[1:]))
+
+
+def engines_on(port: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            cmd = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"restartkit.reference.server" in cmd and str(port).encode() in cmd:
+            out.append(int(d))
+    return out
+
+
+def run(pol: Path, port: int, kills: int, with_cache: bool, snapshot: bool = False, watchdog_s: float = 0,
+        sigterm: bool = False) -> dict:
     cli("weightcache", "release", "--policy", pol, "--stop", "--force")
     cli("stop", "--policy", pol)
+    if not snapshot:  # a snapshot of an earlier mode would serve these crashes (auto ranks criu+ipc first)
+        import shutil
+        shutil.rmtree(pol.parent / "state" / "supervised" / "snapshots", ignore_errors=True)
     if with_cache:
         cli("preload", "--policy", pol, "--detach", check=True)
+    notes = Notes(pol.parent / "notify.sock")
+    env = {**os.environ, "NOTIFY_SOCKET": notes.path, **({"WATCHDOG_USEC": str(int(watchdog_s * 1e6))} if watchdog_s else {})}
     sup = subprocess.Popen([*RK, "supervise", "--policy", str(pol)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           cwd=ROOT, start_new_session=True)
-    out = []
+                           cwd=ROOT, start_new_session=True, env=env)
+    out, result = [], {}
     try:
         while not answers(port):
             time.sleep(0.2)
@@ -59,6 +117,7 @@ def run(pol: Path, port: int, kills: int, with_cache: bool, snapshot: bool = Fal
             cli("restart", "--policy", pol, "--strategy", "ipc", "--wait", "120", check=True)
         if snapshot:  # taken while supervise watches: it holds the service's lock meanwhile
             cli("snapshot", "create", "--policy", pol, "--wait", "120", check=True)
+        watched_from = time.monotonic()
         for _ in range(kills):
             last = (json.loads(cli("history", "--policy", pol, "--last", "1", "--json").stdout)["records"] or [{}])[-1].get("id")
             pid = json.loads(cli("status", "--policy", pol, "--json").stdout)["pid"]
@@ -78,11 +137,36 @@ def run(pol: Path, port: int, kills: int, with_cache: bool, snapshot: bool = Fal
                         "time_to_ready_s": rec.get("time_to_ready_s"),
                         "canary_identical": rec["proof"].get("canary_identical"), "reason": rec["reason"]})
             time.sleep(1)
+        if watchdog_s:
+            result["watchdog_gap_s"] = round(notes.longest_gap("WATCHDOG=1", watched_from, time.monotonic()), 3)
+        if sigterm:
+            result["sigterm"] = sigterm_mid_restart(sup, notes, pol, port)
     finally:
-        os.killpg(sup.pid, signal.SIGTERM)
-        sup.wait(120)
+        if sup.poll() is None:
+            os.killpg(sup.pid, signal.SIGTERM)
+            sup.wait(120)
         cli("weightcache", "release", "--policy", pol, "--stop", "--force")
-    return out
+        notes.sock.close()
+    result["runs"] = out
+    return result
+
+
+def sigterm_mid_restart(sup, notes: Notes, pol: Path, port: int) -> dict:
+    """One more crash; SIGTERM to supervise while its restart runs."""
+    t0 = time.monotonic()
+    pid = json.loads(cli("status", "--policy", pol, "--json").stdout)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    while notes.first("STATUS=restarting", t0) is None and time.monotonic() - t0 < 30:
+        time.sleep(0.01)
+    time.sleep(0.2)  # inside the restart
+    t1 = time.monotonic()
+    os.killpg(sup.pid, signal.SIGTERM)
+    rc = sup.wait(120)
+    exited = time.monotonic() - t1
+    stopping = notes.first("STOPPING=1", t1)
+    time.sleep(0.5)
+    return {"exit_code": rc, "stopping_after_s": round(stopping - t1, 3) if stopping else None,
+            "exit_after_s": round(exited, 3), "engines_left": engines_on(port)}
 
 
 def main() -> int:
@@ -93,6 +177,8 @@ def main() -> int:
     p.add_argument("--work", default="/tmp/rk-supervise")
     p.add_argument("--port", type=int, default=8760)
     p.add_argument("--modes", default="cache,cold", help="cache, cold, snapshot (comma-separated)")
+    p.add_argument("--watchdog-sec", type=float, default=4.0, help="WATCHDOG_USEC given to supervise (0: none)")
+    p.add_argument("--sigterm-mid-restart", action="store_true")
     a = p.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -120,9 +206,21 @@ backoff_max_s = 0.01
 """)
     modes = {"cache": ("with weight cache", True, False), "cold": ("cold only", False, False),
              "snapshot": ("cache + snapshot", True, True)}
-    results = {modes[m][0]: run(pol, a.port, a.kills, modes[m][1], modes[m][2]) for m in a.modes.split(",")}
+    results = {modes[m][0]: run(pol, a.port, a.kills, modes[m][1], modes[m][2], a.watchdog_sec, a.sigterm_mid_restart)
+               for m in a.modes.split(",")}
     print(f"\nsupervise: {a.kills} x SIGKILL of the engine ({a.preset}, {a.device}, {time.strftime('%Y-%m-%d %H:%M %Z')})")
-    for name, runs in results.items():
+    verdicts = []
+    for name, result in results.items():
+        runs = result["runs"]
+        if "watchdog_gap_s" in result:
+            gap = result["watchdog_gap_s"]
+            verdicts.append((f"{name}: longest WATCHDOG=1 gap {gap:.2f} s", gap <= a.watchdog_sec / 2))
+        if "sigterm" in result:
+            st = result["sigterm"]
+            verdicts.append((f"{name}: SIGTERM mid-restart: STOPPING=1 after {st['stopping_after_s']} s, exit "
+                             f"{st['exit_code']} after {st['exit_after_s']:.2f} s, engines left {st['engines_left']}",
+                             st["exit_code"] == 0 and st["stopping_after_s"] is not None and st["stopping_after_s"] <= 2
+                             and st["exit_after_s"] <= 15 + 5 and not st["engines_left"]))
         ks = [r["kill_to_answer_s"] for r in runs]
         ns = [r["noticed_to_serving_s"] for r in runs if r["noticed_to_serving_s"] is not None]
         print(f"{name:<18} served by {sorted({r['served_by'] for r in runs})}  kill -> answering: median "
@@ -133,7 +231,12 @@ backoff_max_s = 0.01
             print(f"    kill -> answering {r['kill_to_answer_s']:.2f} s: noticed -> restart start "
                   f"{r['noticed_to_start_s']} s, time to ready {r['time_to_ready_s']} s, noticed -> serving "
                   f"{r['noticed_to_serving_s']} s ({r['served_by']})")
-    return 0
+        verdicts.append((f"{name}: every crash served again with an identical canary",
+                         all(r["canary_identical"] for r in runs) and all(r["reason"] == "crash" for r in runs)))
+    print("\nverdict")
+    for what, ok in verdicts:
+        print(f"  {'ok  ' if ok else 'FAIL'} {what}")
+    return 0 if all(ok for _, ok in verdicts) else 1
 
 
 if __name__ == "__main__":

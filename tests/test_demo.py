@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import free_port, run_cli
 
 
 @pytest.mark.slow
@@ -36,7 +36,8 @@ def test_bench_compares_strategies_from_real_restarts(make_policy, service_clean
 def test_the_demo_runs_end_to_end(tmp_path):
     """What a newcomer runs first: it must serve through auto with an identical canary, bench what
     this host can run, and leave nothing running."""
-    r = run_cli("demo", "--workdir", tmp_path / "demo", "--repeat", "1", env={"RESTARTKIT_STATE_DIR": str(tmp_path / "s")},
+    r = run_cli("demo", "--workdir", tmp_path / "demo", "--repeat", "1", "--port", free_port(),
+                env={"RESTARTKIT_STATE_DIR": str(tmp_path / "s")},
                 timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout

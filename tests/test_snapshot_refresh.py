@@ -62,3 +62,21 @@ def test_refresh_with_test_restore_switches_only_after_a_pass(served, tmp_path):
     assert prom_value(prom, "restartkit_snapshot_suspect") == 1
     assert prom_value(prom, "restartkit_snapshot_current_test_passed") == 1
     assert json.loads(run_cli("status", "--policy", policy, "--json").stdout)["serving"]
+
+
+def test_a_refresh_says_records_and_exports_how_long_it_froze_the_engine(served):
+    import re
+    policy = served()
+    r = run_cli("snapshot", "refresh", "--policy", policy, "--force")
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = re.search(r"the engine served nothing for ([0-9.]+) s", r.stdout)
+    assert m and float(m[1]) > 0, r.stdout
+    listing = json.loads(run_cli("snapshot", "list", "--policy", policy, "--json").stdout)["snapshots"]
+    snap = next(s for s in listing if s["current"])
+    manifest = json.loads((policy.parent / "state" / "svc" / "snapshots" / snap["id"] / "manifest.json").read_text())
+    assert abs(manifest["freeze_s"] - float(m[1])) < 0.01
+    prom = policy.parent / "state" / "svc" / "snapshot.prom"
+    assert abs(prom_value(prom, "restartkit_snapshot_current_freeze_seconds") - manifest["freeze_s"]) < 1e-6
+    assert prom_value(prom, "restartkit_snapshot_current_bytes") == manifest["image_bytes"] > 0
+    plan = json.loads(run_cli("plan", "--policy", policy, "--strategy", "criu", "--json").stdout)
+    assert any("froze the engine for" in n for n in plan["notes"]), plan["notes"]

@@ -207,3 +207,56 @@ def verify(*units) -> None:
         pytest.skip("no systemd-analyze (scripts/install-tools installs it)")
     v = subprocess.run(["systemd-analyze", "verify", *map(str, units)], capture_output=True, text=True)
     assert v.returncode == 0, v.stderr
+
+
+def test_a_stopped_supervise_lets_the_watchdog_fire(supervised):
+    """The heartbeat is supervise's own: a supervise that cannot run (SIGSTOP) sends nothing."""
+    s = supervised(env={"WATCHDOG_USEC": str(int(WATCHDOG_S * 1e6))})
+    s.listen(2)
+    os.kill(s.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        s.listen(WATCHDOG_S + 1)
+        assert s.longest_gap("WATCHDOG=1", t0) > WATCHDOG_S  # systemd would have fired
+    finally:
+        os.kill(s.proc.pid, signal.SIGCONT)
+    s.listen(2)
+    assert s.longest_gap("WATCHDOG=1", time.monotonic() - 1.5) <= WATCHDOG_S / 2  # fed again
+
+
+def test_the_heartbeat_stops_when_the_loop_overruns_its_step():
+    from restartkit.commands.sdnotify import Heartbeat, Notifier
+    now = [100.0]
+    beat = Heartbeat(Notifier({"NOTIFY_SOCKET": "/nonexistent", "WATCHDOG_USEC": "4000000"}), clock=lambda: now[0])
+    assert beat.period == 1.0
+    beat.step(10, Heartbeat.STARTING)
+    assert beat.beat() == ["WATCHDOG=1", "EXTEND_TIMEOUT_USEC=10000000"]
+    now[0] += 4
+    beat.step(30, Heartbeat.RUNNING)
+    assert beat.beat() == ["WATCHDOG=1"]  # running: no timeout to extend
+    now[0] += 30.5
+    assert beat.beat() == []  # the main loop did not come back within its step: a wedged supervise
+    beat.step(5, Heartbeat.STOPPING)
+    assert beat.beat() == ["WATCHDOG=1", "EXTEND_TIMEOUT_USEC=5000000"]
+
+
+def test_the_cli_says_what_it_does_as_it_happens_and_is_quiet_with_json(make_policy, service_cleanup):
+    policy = make_policy()
+    service_cleanup(policy)
+    r = run_cli("start", "--policy", policy)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert "starting the engine (cold); its log: " in lines[0] and "waiting for it to answer (up to 60 s)" in lines[1]
+    r = run_cli("restart", "--policy", policy, "--strategy", "cold", "--json")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    json.loads(r.stdout)
+    bad = run_cli("policy", "check", policy.parent / "nope.toml", env={"NO_COLOR": "1"})
+    assert bad.returncode == 2 and "\x1b[" not in bad.stderr and bad.stderr.startswith("error: ")
+
+
+def test_snapshot_restore_without_a_snapshot_exits_3(make_policy, service_cleanup):
+    policy = make_policy()
+    service_cleanup(policy)
+    r = run_cli("snapshot", "restore", "--policy", policy, "--json")
+    rec = json.loads(r.stdout)
+    assert r.returncode == 3 and rec["served_by"] == "cold" and rec["via_recovery"], (r.returncode, rec)
