@@ -234,8 +234,11 @@ def stop(policy_path, wait_s, as_json):
         sup = stop_supervisor(svc.state_dir, r["stop_timeout_s"] + 30, say)
     except RuntimeError as e:
         raise EngineStartError(str(e), hint="look at the supervisor's log (journalctl -u restartkit-...), or kill it") from None
+    from restartkit.commands.standby import disarm
     with guarded(svc, "stop", wait_s):
         how = svc.engine.stop() if svc.current() is not None or sup is None else "stopped by its supervisor"
+        if (sb := disarm(svc)) is not None:
+            how += f"; its standby (PID {sb}) stopped"
     emit({"state": "stopped", "how": how, "supervisor": sup["pid"] if sup else None}, as_json, f"{svc.policy.name}: {how}")
 
 
@@ -254,9 +257,11 @@ def status(policy_path, as_json):
     from restartkit.commands.supervise import read_state
     last = read_history(svc.state_dir, last=1)
     sup = read_state(svc.state_dir)
+    from restartkit.commands.standby import state as standby_state
+    sb = standby_state(svc)
     data = {"service": svc.policy.name, "running": proc is not None, "pid": proc.pid if proc else None,
             "serving": ready, "last_restart": last[0] if last else None, "state_dir": str(svc.state_dir),
-            "supervisor": sup}
+            "supervisor": sup, "standby": sb}
     text = f"{svc.policy.name}: " + ("serving" if ready else "running, not answering" if proc else "not running")
     if proc:
         text += f" (PID {proc.pid})"
@@ -271,6 +276,9 @@ def status(policy_path, as_json):
             text += (f"; last restart ({r['reason']}): {r['final_state']} by {r['served_by']} in "
                      f"{r['time_to_ready_s']} s, {r.get('noticed_to_serving_s')} s after it was noticed")
         text += ")"
+    if sb:
+        text += f"\nstandby: PID {sb['pid']}, {sb['state']}" + (
+            f" ({sb['rss_bytes'] / 1e6:.0f} MB resident)" if sb.get("rss_bytes") else "")
     emit(data, as_json, text)
     sys.exit(EXIT_SERVING if ready else EXIT_NOT_SERVING)
 
@@ -412,6 +420,67 @@ def rollout(policy_path, wait_s, as_json):
     emit({"records": [r.to_dict() for r in recs]}, as_json, "\n".join(render_record(r.to_dict()) for r in recs))
     last = recs[-1]
     sys.exit(last.exit_code if len(recs) == 2 else max(last.exit_code, 1))
+
+
+@main.group()
+def standby():
+    """The standby engine: armed on the weight cache, promoted on a crash or a restart ([standby])."""
+
+
+@standby.command("arm")
+@policy_option
+@wait_option
+@json_option
+@state_dir_option
+@friendly
+def standby_arm(policy_path, wait_s, as_json):
+    """Start a standby engine (a standby already armed is replaced) and wait until it is prepared."""
+    from restartkit.commands.standby import arm, disarm, state
+    from restartkit.errors import EngineStartError
+    svc = load(policy_path)
+    with guarded(svc, "standby arm", wait_s):
+        disarm(svc)
+        rec = arm(svc)
+        say(f"{svc.policy.name}: standby PID {rec['pid']} preparing; its log: {svc.engine.log_path}")
+        timeout = svc.policy.restart["start_timeout_s"]
+        if not svc.seam.wait_until(lambda: (state(svc) or {}).get("state") in ("prepared", "dead", "failed"),
+                                   timeout, 0.05):
+            disarm(svc)
+            raise EngineStartError(f"the standby was not prepared within {timeout:.0f} s; stopped",
+                                   hint=f"see its log: {svc.engine.log_path}")
+        st = state(svc)
+        if st["state"] != "prepared":
+            disarm(svc)
+            raise EngineStartError(f"the standby {st['state']} while preparing", hint=f"see its log: {svc.engine.log_path}")
+    emit(st, as_json, f"{svc.policy.name}: standby PID {st['pid']} armed in {st.get('prepare_s')} s "
+                      f"({(st.get('rss_bytes') or 0) / 1e6:.0f} MB resident; not listening on the service's port)")
+
+
+@standby.command("status")
+@policy_option
+@json_option
+@state_dir_option
+@friendly
+def standby_status(policy_path, as_json):
+    """The standby engine, if one is armed: PID, state, memory."""
+    from restartkit.commands.standby import state
+    st = state(load(policy_path))
+    emit(st or {}, as_json, "no standby" if st is None else f"standby PID {st['pid']}: {st['state']}")
+    sys.exit(0 if st and st["state"] == "prepared" else 1)
+
+
+@standby.command("disarm")
+@policy_option
+@wait_option
+@state_dir_option
+@friendly
+def standby_disarm(policy_path, wait_s):
+    """Stop the standby engine."""
+    from restartkit.commands.standby import disarm
+    svc = load(policy_path)
+    with guarded(svc, "standby disarm", wait_s):
+        pid = disarm(svc)
+    click.echo("no standby" if pid is None else f"standby PID {pid} stopped")
 
 
 @main.group()

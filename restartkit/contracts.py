@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 # Every strategy by name, fastest first: the order `auto` tries when the policy gives none.
-STRATEGY_NAMES = ("sleep", "criu+ipc", "ipc", "criu", "cold")
+STRATEGY_NAMES = ("sleep", "standby", "criu+ipc", "ipc", "criu", "cold")
 RECOVERY = "cold"  # always available: the recovery path of every other strategy
 REASONS = ("restart", "crash", "config", "code", "weights")  # why restart
 FACT_TIMEOUT_S = 3.0  # per question asked of a running engine while facts are gathered: a hung one costs seconds
@@ -133,6 +133,7 @@ class Plan:
         return {
             "requested": self.requested, "reason": self.reason, "order": self.order,
             "attempt": self.attempt, "recovery": self.recovery, "notes": self.notes, "ranked_by": self.ranked_by,
+            "overlap_dropped": self.overlap_dropped,
             "strategies": [{**self.verdicts[s].to_dict(), **({"expected": self.expected[s]} if s in self.expected else {})}
                            for s in self.order],
         }

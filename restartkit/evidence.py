@@ -148,6 +148,13 @@ def _estimate_raw(name: str, facts: Facts) -> tuple[float, str] | None:
             t = max(0.0, spawn - phases["weight_load"]) + attach
             return round(t, 3), (f"the running engine's cold start ({spawn:.2f} s) minus its weight load "
                                  f"({phases['weight_load']:.2f} s) plus an attach (~{attach:.1f} s)")
+    if name == "standby" and phases.get("kv_cache_alloc") is not None:
+        parts = {k: phases[k] for k in ("kv_cache_alloc", "warmup", "cuda_graph_capture") if k in phases}
+        if "early_warmup" in phases:  # an engine prepared beside another warmed up ahead: its warm-up is short
+            parts["warmup"] = min(parts.get("warmup", 0.0), 0.1)
+        t = sum(parts.values()) + 0.05
+        return round(t, 3), (f"the running engine's own activation ({' + '.join(f'{k} {v:.2f} s' for k, v in parts.items())})"
+                             " plus the port and one canary prompt (~0.05 s), not counting the old engine's stop")
     if name in ("criu", "criu+ipc"):
         snap = facts.of("criu")
         if (snap.get("kind") == "weightless") != (name == "criu+ipc"):

@@ -235,6 +235,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "backoff_s": Key((int, float), 1.0, check=_seconds, doc="pause before the second failure's restart, doubling"),
         "backoff_max_s": Key((int, float), 30.0, check=_seconds),
     },
+    "standby": {
+        "enabled": Key(bool, False, doc="keep a standby engine armed (prepared on the weight cache, not listening): "
+                       "supervise arms it and promotes it on a crash; the standby strategy promotes it on a restart"),
+        "promote_timeout_s": Key((int, float), 30.0, check=_seconds,
+                                 doc="how long a promotion may take before the restart falls to its recovery"),
+    },
     "metrics": {
         "textfile_dir": Key(str, "", check=_path, doc="where the Prometheus textfiles go: the node exporter's "
                             "--collector.textfile.directory, shared by the services of a host (files "

@@ -96,8 +96,32 @@ def engines_on(port: int) -> list[int]:
     return out
 
 
+def gpu_mib(pid: int) -> int | None:
+    """Device memory the process holds (nvidia-smi), None without a GPU."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in out.splitlines():
+        a, _, b = line.partition(",")
+        if a.strip() == str(pid):
+            return int(b.strip())
+    return None
+
+
+def standby_prepared(pol: Path, timeout: float = 300) -> dict:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        sb = json.loads(cli("status", "--policy", pol, "--json").stdout).get("standby") or {}
+        if sb.get("state") == "prepared":
+            return sb
+        time.sleep(0.2)
+    raise RuntimeError("no standby was prepared in time")
+
+
 def run(pol: Path, port: int, kills: int, with_cache: bool, snapshot: bool = False, watchdog_s: float = 0,
-        sigterm: bool = False) -> dict:
+        sigterm: bool = False, standby: bool = False) -> dict:
     cli("weightcache", "release", "--policy", pol, "--stop", "--force")
     cli("stop", "--policy", pol)
     if not snapshot:  # a snapshot of an earlier mode would serve these crashes (auto ranks criu+ipc first)
@@ -119,6 +143,10 @@ def run(pol: Path, port: int, kills: int, with_cache: bool, snapshot: bool = Fal
             cli("snapshot", "create", "--policy", pol, "--wait", "120", check=True)
         watched_from = time.monotonic()
         for _ in range(kills):
+            if standby:  # a crash finds an armed standby (the last one's re-arm is done)
+                sb = standby_prepared(pol)
+                result.setdefault("standby", []).append({"pid": sb["pid"], "prepare_s": sb.get("prepare_s"),
+                                                         "rss_bytes": sb.get("rss_bytes"), "gpu_mib": gpu_mib(sb["pid"])})
             last = (json.loads(cli("history", "--policy", pol, "--last", "1", "--json").stdout)["records"] or [{}])[-1].get("id")
             pid = json.loads(cli("status", "--policy", pol, "--json").stdout)["pid"]
             t0 = time.monotonic()
@@ -176,7 +204,7 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--work", default="/tmp/rk-supervise")
     p.add_argument("--port", type=int, default=8760)
-    p.add_argument("--modes", default="cache,cold", help="cache, cold, snapshot (comma-separated)")
+    p.add_argument("--modes", default="cache,cold", help="cache, cold, snapshot, standby (comma-separated)")
     p.add_argument("--watchdog-sec", type=float, default=4.0, help="WATCHDOG_USEC given to supervise (0: none)")
     p.add_argument("--sigterm-mid-restart", action="store_true")
     a = p.parse_args()
@@ -205,9 +233,13 @@ backoff_s = 0.01       # each kill is its own crash here: no backoff between the
 backoff_max_s = 0.01
 """)
     modes = {"cache": ("with weight cache", True, False), "cold": ("cold only", False, False),
-             "snapshot": ("cache + snapshot", True, True)}
-    results = {modes[m][0]: run(pol, a.port, a.kills, modes[m][1], modes[m][2], a.watchdog_sec, a.sigterm_mid_restart)
-               for m in a.modes.split(",")}
+             "snapshot": ("cache + snapshot", True, True), "standby": ("cache + standby", True, False)}
+    base = pol.read_text()
+    results = {}
+    for m in a.modes.split(","):
+        pol.write_text(base + ("[standby]\nenabled = true\n" if m == "standby" else ""))
+        results[modes[m][0]] = run(pol, a.port, a.kills, modes[m][1], modes[m][2], a.watchdog_sec,
+                                   a.sigterm_mid_restart, standby=m == "standby")
     print(f"\nsupervise: {a.kills} x SIGKILL of the engine ({a.preset}, {a.device}, {time.strftime('%Y-%m-%d %H:%M %Z')})")
     verdicts = []
     for name, result in results.items():
@@ -231,6 +263,9 @@ backoff_max_s = 0.01
             print(f"    kill -> answering {r['kill_to_answer_s']:.2f} s: noticed -> restart start "
                   f"{r['noticed_to_start_s']} s, time to ready {r['time_to_ready_s']} s, noticed -> serving "
                   f"{r['noticed_to_serving_s']} s ({r['served_by']})")
+        for sb in result.get("standby", [])[:1]:
+            print(f"    standby PID {sb['pid']}: prepared in {sb['prepare_s']} s, {(sb['rss_bytes'] or 0) / 1e6:.0f} MB "
+                  f"resident, {sb['gpu_mib']} MiB of device memory")
         verdicts.append((f"{name}: every crash served again with an identical canary",
                          all(r["canary_identical"] for r in runs) and all(r["reason"] == "crash" for r in runs)))
     print("\nverdict")

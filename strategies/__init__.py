@@ -19,8 +19,10 @@ def all_strategies() -> Mapping[str, BaseStrategy]:
     from restartkit.strategies.criu_ipc import CriuIpcStrategy
     from restartkit.strategies.ipc import IPCStrategy
     from restartkit.strategies.sleep import SleepStrategy
+    from restartkit.strategies.standby import StandbyStrategy
 
-    reg = {s.name: s for s in (SleepStrategy(), CriuIpcStrategy(), IPCStrategy(), CriuStrategy(), ColdStrategy())}
+    reg = {s.name: s for s in (SleepStrategy(), StandbyStrategy(), CriuIpcStrategy(), IPCStrategy(), CriuStrategy(),
+                               ColdStrategy())}
     assert tuple(reg) == STRATEGY_NAMES, "a strategy is missing from the registry or from STRATEGY_NAMES"
     return MappingProxyType(reg)
 

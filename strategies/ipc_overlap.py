@@ -83,15 +83,16 @@ def _spawn_prepared(service, name: str):
     return new, status_path
 
 
-def _activate(service, new, status_path, out: Outcome, old) -> tuple[str, dict]:
-    """SIGUSR1, wait until active, and require a weight-cache hit; returns (private URL, its stats)."""
+def _activate(service, new, status_path, out: Outcome, old, deadline_s: float | None = None) -> tuple[str, dict]:
+    """SIGUSR1, wait until active, and require a weight-cache hit; returns (private URL, its stats).
+    `old`: the engine it replaces (None after a crash)."""
     os.kill(new.pid, signal.SIGUSR1)
-    st = _wait_state(status_path, new, "active", service.policy.restart["start_timeout_s"])
+    st = _wait_state(status_path, new, "active", deadline_s or service.policy.restart["start_timeout_s"])
     private = f"http://127.0.0.1:{st['admin_port']}"
     new_stats = http.get(private + "/admin/stats", timeout=10)
     load = new_stats.get("load") or {}
     out.proof.update(ipc=load.get("ipc"), mode=load.get("mode"), attach_s=load.get("attach_s"),
-                     new_pid=new.pid, old_pid=old.pid, private_port=st["admin_port"])
+                     new_pid=new.pid, old_pid=old.pid if old is not None else None, private_port=st["admin_port"])
     if load.get("ipc") != "hit":
         raise RuntimeError(f"the new engine did not attach from the weight cache: {load.get('ipc')}({load.get('fallback_reason')})")
     if service.policy.service["draft_model"]:

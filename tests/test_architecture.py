@@ -204,7 +204,7 @@ def test_one_registry_of_strategies_per_command():
     from restartkit.errors import UsageError
     assert all_strategies() is all_strategies()  # built once; strategies hold no state
     import pytest
-    with pytest.raises(UsageError, match="not supported.*sleep, criu\\+ipc, ipc, criu, cold"):
+    with pytest.raises(UsageError, match="not supported.*sleep, standby, criu\\+ipc, ipc, criu, cold"):
         get_strategy("warp")
 
 

@@ -42,8 +42,9 @@ def test_ipc_restart_is_a_hit_with_identical_canary(make_policy, sockdir, preloa
     assert prom_sample(prom, "restartkit_ipc_attach_total", service="svc", result="hit") == 1
     if tp > 1:  # an overlapped restart runs one rank only: asked for at TP2, it says so and runs plainly
         r = run_cli("restart", "--policy", policy, "--strategy", "ipc", "--overlap", "--strict", "--json", timeout=120)
-        assert r.returncode == 0 and "tensor_parallel_size 1" in r.stderr, r.stderr
-        assert json.loads(r.stdout)["attempts"][0]["proof"]["ranks"] == ["hit", "hit"]
+        again = json.loads(r.stdout)  # --json: said in the record, stderr stays for errors
+        assert r.returncode == 0 and "tensor_parallel_size 1" in again["plan"]["overlap_dropped"], again["plan"]
+        assert again["attempts"][0]["proof"]["ranks"] == ["hit", "hit"]
     status = json.loads(run_cli("weightcache", "status", "--policy", policy, "--json").stdout)
     engine_pid = json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]
     assert engine_pid in status["daemons"][0]["attached"]

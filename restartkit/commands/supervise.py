@@ -66,6 +66,7 @@ class Supervisor:
             self.interval = min(self.interval, self.notify.watchdog_s / 2)
         self.beat = Heartbeat(self.notify)
         self._serving_pid: int | None = None  # the engine supervise last saw serving (another one: adopted)
+        self.standby = {"since": None, "next_try": 0.0, "rearm_s": [], "armed": None}  # unprotected since, ...
 
     # ---- the loop ------------------------------------------------------------------
     def run(self) -> int:
@@ -155,6 +156,7 @@ class Supervisor:
             if self._busy(proc):  # another command is restarting it, or it is still starting: not ours to judge
                 misses, last_completion = 0, time.monotonic()
                 continue
+            self._keep_standby()
             if proc.pid != self._serving_pid:  # another command restarted it, and it serves: ours from now on
                 self.say(f"{self.service.policy.name}: PID {proc.pid} serves now (started by another command); "
                          "adopted")
@@ -332,21 +334,61 @@ class Supervisor:
         write_record(svc, rec.finish(strict=False))
         return rec
 
+    def _keep_standby(self) -> None:
+        """[standby] enabled: keep one armed.  One that is gone, failed or stale is replaced (not more
+        than every few seconds: one that keeps failing does not take the engine's CPUs); the time the
+        service was without a prepared standby is measured (`rearm_s`)."""
+        from restartkit.commands.standby import arm, consumed, disarm, stale, state
+        svc, sb = self.service, self.standby
+        if not svc.policy.standby["enabled"] or svc.engine.degraded:
+            return
+        rec = state(svc)
+        if rec is not None and rec["state"] in ("prepared", "starting", "preparing") and rec["alive"]:
+            if rec["state"] == "prepared" and sb["since"] is not None:
+                sb["rearm_s"] = [*sb["rearm_s"][-19:], round(time.monotonic() - sb["since"], 3)]
+                sb["since"], sb["armed"] = None, rec["pid"]
+                self.say(f"{svc.policy.name}: standby PID {rec['pid']} armed ({sb['rearm_s'][-1]:.2f} s without one)")
+                self._save("serving")
+            if rec["state"] != "prepared" or not (why := stale(svc, rec)):
+                return
+            self.say(f"{svc.policy.name}: standby PID {rec['pid']} is stale ({why}); replacing it")
+        if sb["since"] is None:
+            sb["since"] = time.monotonic()
+        if time.monotonic() < sb["next_try"]:
+            return
+        sb["next_try"] = time.monotonic() + 5.0
+        try:
+            with guarded(svc, "supervise standby", 0.0, lambda _m: None, defer_signals=False):
+                if rec is not None and rec["alive"]:
+                    disarm(svc)
+                elif rec is not None:
+                    consumed(svc)
+                arm(svc)
+        except BusyError:
+            sb["next_try"] = 0.0  # another command works on the service: the next turn tries again
+        except Exception as e:
+            self.say(f"{svc.policy.name}: could not arm a standby: {getattr(e, 'message', None) or e}")
+
     def _stop(self, why: str) -> int:
+        from restartkit.commands.standby import disarm
         svc = self.service
         self.beat.step(svc.policy.restart["stop_timeout_s"] + 30, Heartbeat.STOPPING)
         self.notify.send("STOPPING=1", f"STATUS=stopping ({why})")
         self.say(f"{svc.policy.name}: {why}: stopping the engine")
         with self._guarded("supervise stop"):
             how = svc.engine.stop()
+            if (pid := disarm(svc)) is not None:
+                how += f"; its standby (PID {pid}) stopped"
         self.say(f"{svc.policy.name}: {how}")
         return EXIT_SERVING
 
     def _give_up(self, why: str) -> int:
+        from restartkit.commands.standby import disarm
         svc = self.service
         try:
             with self._guarded("supervise stop"):
                 svc.engine.stop()
+                disarm(svc)
         except Exception as e:
             self.say(f"{svc.policy.name}: could not stop the engine: {getattr(e, 'message', None) or e}")
         try:
@@ -418,7 +460,8 @@ class Supervisor:
             write_json_atomic(self.path, {
                 "pid": os.getpid(), "start_ticks": proc_start_ticks(os.getpid()), "started_at": self.started_at,
                 "state": state, "failures_in_interval": len([t for t in self.failures if t >= time.time() - window]),
-                "interval_s": window, "restarts": self.history[-20:]})
+                "interval_s": window, "restarts": self.history[-20:],
+                "standby": {"armed": self.standby["armed"], "rearm_s": self.standby["rearm_s"]}})
         except OSError as e:
             self.say(f"restartkit supervise: could not write {self.path} ({e.strerror or e})")
 

@@ -1,0 +1,134 @@
+"""The standby engine: a second engine process kept armed, so that a crash or a restart pays
+for activation only (KV cache, graph capture, the port), not for Python, `import torch`, the
+device context, the tokenizer and the weights (attached zero-copy from the weight cache: no
+second copy) nor the first forward pass (run ahead, on a small KV cache it frees).
+
+It is the reference engine in prepare-only mode with no activation deadline: it answers on a
+private loopback port only, never on the service's, until it is promoted (SIGUSR1: activate;
+SIGUSR2: take the public port, SO_REUSEPORT).  `standby.json` in the state dir names it (PID and
+start ticks, what it was armed with: engine version, code, weights); `standby-status.json` is the
+engine's own account of its state (preparing, prepared, active, ready, failed).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from restartkit.files import write_json_atomic
+from restartkit.process.engine import EngineProcess
+from restartkit.process.procfs import kill_tree, proc_start_ticks
+
+STANDBY = "standby.json"
+STATUS = "standby-status.json"
+NO_DEADLINE_S = 10 * 365 * 86400.0  # an armed standby waits for its promotion as long as it lives
+
+
+@functools.cache
+def code_digest() -> str:
+    """The engine's code as this restartkit has it (a standby armed by other code is not promoted)."""
+    import restartkit.reference as ref
+    h = hashlib.sha256()
+    for p in sorted(Path(ref.__file__).parent.glob("*.py")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _paths(service) -> tuple[Path, Path]:
+    return service.state_dir / STANDBY, service.state_dir / STATUS
+
+
+def arm(service) -> dict:
+    """Start a standby (no wait: `state(service)` says when it is prepared); returns its record."""
+    from restartkit.process.lifecycle import _disk_digest
+    path, status = _paths(service)
+    status.unlink(missing_ok=True)
+    args = service.adapter.ipc_args(service.policy) + ["--prepare-only", "--status-file", str(status),
+                                                      "--activate-timeout", str(NO_DEADLINE_S)]
+    proc, _ = service.engine.spawn("standby", args)
+    proc.close_ready_fd()  # its readiness comes through the status file
+    rec = {"pid": proc.pid, "start_ticks": proc.start_ticks, "create_time": proc.create_time,
+           "armed_at": time.time(), "version": service.adapter.version(), "code": code_digest(),
+           "model_digest": _disk_digest(service.policy.service["model"]), "status_file": str(status)}
+    write_json_atomic(path, rec)
+    return rec
+
+
+def state(service) -> dict | None:
+    """The standby as it is now: its record, `alive`, and the engine's own `state` (prepared: armed);
+    None when there is none."""
+    path, status = _paths(service)
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rec, dict) or not isinstance(rec.get("pid"), int):
+        return None
+    rec["alive"] = service.seam.alive(rec["pid"], start_ticks=rec.get("start_ticks"))
+    try:
+        st = json.loads(status.read_text())
+    except (OSError, ValueError):
+        st = {}
+    rec["state"] = st.get("state", "starting") if rec["alive"] else "dead"
+    rec["admin_port"] = st.get("admin_port")
+    if st.get("state") == "prepared":
+        rec["prepared_at"] = st.get("at")
+        rec["prepare_s"] = round(st["at"] - rec["armed_at"], 3) if st.get("at") else None
+        rec["phases"] = st.get("phases") or {}
+    rec["rss_bytes"] = _rss(rec["pid"]) if rec["alive"] else None
+    return rec
+
+
+def process(service, rec: dict) -> EngineProcess:
+    return EngineProcess(pid=rec["pid"], create_time=rec.get("create_time"), start_ticks=rec.get("start_ticks"),
+                         log_path=service.engine.log_path, seam=service.seam)
+
+
+def consumed(service) -> None:
+    """The standby became the service's engine: it is no standby any more."""
+    for p in _paths(service):
+        p.unlink(missing_ok=True)
+
+
+def disarm(service, timeout_s: float = 10.0) -> int | None:
+    """Stop the standby (SIGTERM, then its tree killed); returns its PID, None when there was none."""
+    rec = state(service)
+    consumed(service)
+    if rec is None or not rec["alive"]:
+        return None
+    if proc_start_ticks(rec["pid"]) != rec.get("start_ticks"):
+        return None  # not ours any more
+    try:
+        os.kill(rec["pid"], signal.SIGTERM)
+    except ProcessLookupError:
+        return rec["pid"]
+    if not service.seam.wait_until(lambda: not service.seam.alive(rec["pid"], start_ticks=rec["start_ticks"]),
+                                   timeout_s, 0.05):
+        kill_tree(rec["pid"])
+        service.seam.reap_until_gone([rec["pid"]], 5.0)
+    return rec["pid"]
+
+
+def stale(service, rec: dict) -> str | None:
+    """Why an armed standby may not be promoted for this service as it is now (None: it may)."""
+    from restartkit.process.lifecycle import _disk_digest
+    if rec["version"] != service.adapter.version() or rec["code"] != code_digest():
+        return f"it was armed by another engine version or code ({rec['version']}, code {rec['code']})"
+    digest = _disk_digest(service.policy.service["model"])
+    if digest and rec.get("model_digest") and digest != rec["model_digest"]:
+        return "the weights on disk changed since it was armed"
+    return None
+
+
+def _rss(pid: int) -> int | None:
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -1,0 +1,101 @@
+"""standby: promote the armed standby engine (restartkit.commands.standby).  Everything but its
+activation was paid for ahead: the old engine stops (a planned restart; after a crash it is gone
+already), then the standby allocates its KV cache, captures its graph, answers one canary prompt
+on its private port and takes the service's port.  Proof: its weight-cache hit and the canary.
+A standby that is gone, stale or not yet prepared is not eligible, with the reason; one that
+fails during its promotion leaves the restart to its recovery (a cold start)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from restartkit.contracts import Facts, Outcome, Plan
+from restartkit.strategies.base import BaseStrategy, adapter_available, model_loadable
+from restartkit.strategies.ipc_overlap import _activate, _canary_at, _took_over, _wait_state
+
+
+def _sb(facts: Facts) -> dict:
+    return facts.of("standby")
+
+
+def enabled(facts: Facts, policy) -> str | None:
+    return None if policy.standby["enabled"] else "[standby] enabled is false (no standby engine is kept armed)"
+
+
+def engine_can_stand_by(facts: Facts, policy) -> str | None:
+    if policy.service["engine"] != "reference":
+        return (f"the {policy.service['engine']} adapter has no prepare-only mode (deferred KV cache and port) "
+                "restartkit can hold a standby in; see the README")
+    if policy.ipc["mode"] != "zero_copy":
+        return "a standby maps its weights from the weight cache: [ipc] mode must be 'zero_copy' (no second copy)"
+    return None
+
+
+def reason_fits(facts: Facts, policy) -> str | None:
+    if facts.reason in ("restart", "crash"):
+        return None
+    return (f"reason {facts.reason!r}: the standby was started with the weights and flags of before; it serves "
+            "restarts and crashes only")
+
+
+def armed(facts: Facts, policy) -> str | None:
+    sb = _sb(facts)
+    if "error" in sb:
+        return f"could not read the standby's state: {sb['error']}"
+    rec = sb.get("standby")
+    if rec is None:
+        return "no standby is armed (`restartkit standby arm`, or supervise with [standby] enabled)"
+    if not rec["alive"]:
+        return f"the standby (PID {rec['pid']}) is gone"
+    if rec["state"] != "prepared":
+        return f"the standby (PID {rec['pid']}) is {rec['state']}, not prepared yet"
+    return sb.get("stale")
+
+
+class StandbyStrategy(BaseStrategy):
+    name = "standby"
+    prerequisites = [adapter_available, model_loadable, enabled, engine_can_stand_by, reason_fits, armed]
+
+    def gather(self, service, facts: Facts) -> dict:
+        from restartkit.commands.standby import stale, state
+        rec = state(service)
+        return {"standby": rec, "stale": stale(service, rec) if rec and rec["alive"] else None}
+
+    def execute(self, service, facts: Facts, plan: Plan) -> Outcome:
+        from restartkit.commands.standby import consumed, process
+        pol = service.policy
+        rec = _sb(facts)["standby"]
+        new = process(service, rec)
+        status = service.state_dir / "standby-status.json"
+        phases: dict[str, float] = {}
+        out = Outcome(self.name, ok=False, phases=phases, proof={"standby_pid": new.pid,
+                                                                "armed_s": round(time.time() - rec["armed_at"], 1)})
+        service.intent.update(pids=[new.pid])
+        old = service.current()
+        t0 = time.monotonic()
+        if old is not None:
+            out.proof["old_stop"] = service.engine.stop()  # drained and exited: its KV cache is free
+            phases["stop_old"] = round(time.monotonic() - t0, 4)
+        t1 = time.monotonic()
+        try:
+            private, stats = _activate(service, new, status, out, old, pol.standby["promote_timeout_s"])
+            phases["activate"] = round(time.monotonic() - t1, 4)
+            out.proof["new_engine_canary"] = _canary_at(service, private, first_only=True)
+            os.kill(new.pid, signal.SIGUSR2)
+            _wait_state(status, new, "ready", pol.standby["promote_timeout_s"])
+        except Exception as e:  # the old engine is gone: the restart's recovery (cold) takes over
+            if new.alive():
+                new.stop(timeout_s=5)
+            consumed(service)
+            out.error = f"the standby (PID {new.pid}) failed its promotion: {e}"
+            return out
+        except BaseException:  # cut by a signal: a half-promoted standby is nobody's engine
+            if new.alive():
+                new.stop(timeout_s=5)
+            consumed(service)
+            raise
+        consumed(service)
+        phases["stop_to_ready"] = round(time.monotonic() - t1, 4)
+        out.ready_at = time.monotonic()
+        return _took_over(service, new, "standby", stats, out, t0)

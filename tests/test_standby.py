@@ -1,0 +1,117 @@
+"""The standby engine for real (reference engine on the CPU, its weights on a real weight cache):
+armed, it never answers on the service's port; supervise promotes it on a SIGKILL and arms
+another; a planned restart promotes it; one that is gone, or a reason it cannot serve, is not
+promoted, with the reason; `stop` takes it down too."""
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from tests.conftest import run_cli
+from tests.helpers import ipc_policy, start_preload
+
+pytestmark = pytest.mark.slow
+
+STANDBY = "\n[standby]\nenabled = true\n"
+
+
+def policy_with_standby(make_policy, sockdir):
+    policy = ipc_policy(make_policy, sockdir)
+    policy.write_text(policy.read_text() + STANDBY)
+    return policy
+
+
+def port_of(policy) -> int:
+    return int(policy.read_text().split("port = ")[1].split()[0])
+
+
+def listeners(port: int) -> list[int]:
+    from restartkit.process.procfs import listeners as on
+    return on(port)
+
+
+def standby(policy) -> dict | None:
+    return json.loads(run_cli("status", "--policy", policy, "--json").stdout)["standby"]
+
+
+def wait_for(what, timeout=60):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if got := what():
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout} s")
+
+
+def test_supervise_promotes_its_standby_on_a_crash_and_arms_another(supervised, make_policy, sockdir, preloads):
+    policy = policy_with_standby(make_policy, sockdir)
+    start_preload(policy, preloads)
+    s = supervised(policy)
+    first = wait_for(lambda: (sb := standby(policy)) and sb["state"] == "prepared" and sb)
+    engine = s.status()["pid"]
+    assert listeners(port_of(policy)) == [engine]  # armed, the standby does not answer on the service's port
+    assert first["pid"] != engine and first["rss_bytes"] > 0
+    os.kill(engine, signal.SIGKILL)
+    rec = s.wait_record(1)
+    assert rec["reason"] == "crash" and rec["served_by"] == "standby" and not rec["via_recovery"], rec
+    assert rec["proof"]["canary_identical"] is True and rec["attempts"][-1]["proof"]["ipc"] == "hit"
+    assert s.status()["pid"] == first["pid"]  # the standby is the engine now
+    second = wait_for(lambda: (sb := standby(policy)) and sb["state"] == "prepared" and sb["pid"] != first["pid"] and sb)
+    assert listeners(port_of(policy)) == [first["pid"]]
+    sup = wait_for(lambda: (st := s.status()["supervisor"]) and st["standby"]["rearm_s"] and st)
+    assert sup["standby"]["armed"] in (first["pid"], second["pid"])
+    os.killpg(s.proc.pid, signal.SIGTERM)
+    assert s.proc.wait(30) == 0
+    assert not os.path.exists(f"/proc/{second['pid']}") or open(f"/proc/{second['pid']}/stat").read().split()[2] == "Z"
+
+
+def test_a_planned_restart_promotes_the_standby_and_stop_takes_it_down(make_policy, sockdir, preloads, service_cleanup):
+    policy = policy_with_standby(make_policy, sockdir)
+    service_cleanup(policy)
+    start_preload(policy, preloads)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    r = run_cli("standby", "arm", "--policy", policy, "--json")
+    assert r.returncode == 0, r.stderr
+    armed = json.loads(r.stdout)
+    r = run_cli("restart", "--policy", policy, "--strategy", "standby", "--json")
+    rec = json.loads(r.stdout)
+    assert r.returncode == 0 and rec["served_by"] == "standby" and rec["proof"]["canary_identical"] is True, rec
+    assert rec["attempts"][-1]["proof"]["standby_pid"] == armed["pid"] == standby_gone_engine(policy)
+    assert run_cli("standby", "arm", "--policy", policy).returncode == 0
+    again = standby(policy)
+    r = run_cli("stop", "--policy", policy, "--json")
+    assert r.returncode == 0 and f"its standby (PID {again['pid']}) stopped" in json.loads(r.stdout)["how"], r.stdout
+    assert standby(policy) is None and listeners(port_of(policy)) == []
+    assert not os.path.exists(f"/proc/{again['pid']}") or open(f"/proc/{again['pid']}/stat").read().split()[2] == "Z"
+
+
+def standby_gone_engine(policy) -> int:
+    """After a promotion: no standby left, and the engine's PID."""
+    st = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
+    assert st["standby"] is None and st["serving"], st
+    return st["pid"]
+
+
+def test_a_dead_standby_or_a_reason_it_cannot_serve_is_never_promoted(make_policy, sockdir, preloads, service_cleanup):
+    policy = policy_with_standby(make_policy, sockdir)
+    service_cleanup(policy)
+    start_preload(policy, preloads)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    assert run_cli("standby", "arm", "--policy", policy).returncode == 0
+    plan = json.loads(run_cli("plan", "--policy", policy, "--reason", "config", "--json").stdout)
+    why = {v["strategy"]: " ".join(v["reasons"]) for v in plan["strategies"]}
+    assert "reason 'config'" in why["standby"] and plan["attempt"] != "standby"
+    pid = standby(policy)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: standby(policy)["state"] == "dead")
+    plan = json.loads(run_cli("plan", "--policy", policy, "--json").stdout)
+    why = {v["strategy"]: " ".join(v["reasons"]) for v in plan["strategies"]}
+    assert f"the standby (PID {pid}) is gone" in why["standby"]
+    r = run_cli("restart", "--policy", policy, "--json")
+    rec = json.loads(r.stdout)
+    assert r.returncode == 0 and rec["served_by"] != "standby" and rec["proof"]["canary_identical"] is True, rec
+    r = run_cli("restart", "--policy", policy, "--strategy", "standby", "--json")  # asked for by name: its recovery
+    rec = json.loads(r.stdout)
+    assert rec["served_by"] == "cold" and rec["via_recovery"] and "is gone" in rec["recovery_reason"], rec
