@@ -236,6 +236,18 @@ def count_give_up(state_dir: Path, service: str, prom: Path | None = None) -> Pa
     return write_restart_metrics(state_dir, service, prom)
 
 
+def note_standby(state_dir: Path, service: str, armed: bool, rearm_s: float | None = None,
+                 prom: Path | None = None) -> Path:
+    """supervise's standby: armed or not, and how long the last re-arm left the service without one."""
+    c = _counters(state_dir)
+    sb = c.setdefault("standby", {})
+    sb["armed"] = int(armed)
+    if rearm_s is not None:
+        sb["last_rearm_s"] = rearm_s
+    _save_counters(state_dir, c)
+    return write_restart_metrics(state_dir, service, prom)
+
+
 def write_restart_metrics(state_dir: Path, svc: str, prom: Path | None = None) -> Path:
     from prometheus_client.core import HistogramMetricFamily
     from restartkit import __version__
@@ -264,6 +276,13 @@ def write_restart_metrics(state_dir: Path, svc: str, prom: Path | None = None) -
                 "restart served by each strategy (measured when the restart measures downtime, always when overlapped).",
                 ["strategy"], {(k,): v for k, v in c.get("downtime", {}).items()}, svc),
     ]
+    if sb := c.get("standby"):
+        families.append(_family("gauge", "restartkit_standby_armed", "1 while a prepared standby engine is armed.",
+                                [], {(): sb.get("armed", 0)}, svc))
+        if "last_rearm_s" in sb:
+            families.append(_family("gauge", "restartkit_standby_last_rearm_seconds", "How long the service was "
+                                    "without a prepared standby after its last promotion or loss.", [],
+                                    {(): sb["last_rearm_s"]}, svc))
     if c.get("last_restart_at"):
         families.append(_family("gauge", "restartkit_last_restart_timestamp_seconds", "When the last restart ended.",
                                 [], {(): c["last_restart_at"]}, svc))

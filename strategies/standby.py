@@ -71,7 +71,8 @@ class StandbyStrategy(BaseStrategy):
         phases: dict[str, float] = {}
         out = Outcome(self.name, ok=False, phases=phases, proof={"standby_pid": new.pid,
                                                                 "armed_s": round(time.time() - rec["armed_at"], 1)})
-        service.intent.update(pids=[new.pid])
+        # killed meanwhile, restartkit leaves the next command a standby to adopt (it took the port) or to stop
+        service.intent.update(standby={"pid": new.pid, "start_ticks": new.start_ticks})
         old = service.current()
         t0 = time.monotonic()
         if old is not None:

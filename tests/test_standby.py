@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import prom_sample, run_cli
 from tests.helpers import ipc_policy, start_preload
 
 pytestmark = pytest.mark.slow
@@ -62,6 +62,10 @@ def test_supervise_promotes_its_standby_on_a_crash_and_arms_another(supervised, 
     assert listeners(port_of(policy)) == [first["pid"]]
     sup = wait_for(lambda: (st := s.status()["supervisor"]) and st["standby"]["rearm_s"] and st)
     assert sup["standby"]["armed"] in (first["pid"], second["pid"])
+    prom = (policy.parent / "state" / "svc" / "metrics.prom").read_text()
+    wait_for(lambda: prom_sample((policy.parent / "state" / "svc" / "metrics.prom").read_text(),
+                                 "restartkit_standby_armed", service="svc") == 1)
+    assert prom_sample(prom, "restartkit_restart_total", service="svc", strategy="standby", outcome="ok") == 1
     os.killpg(s.proc.pid, signal.SIGTERM)
     assert s.proc.wait(30) == 0
     assert not os.path.exists(f"/proc/{second['pid']}") or open(f"/proc/{second['pid']}/stat").read().split()[2] == "Z"

@@ -154,3 +154,23 @@ def test_plan_does_not_run_a_criu_binary_others_can_change(make_policy, tmp_path
     reasons = {s["strategy"]: s["reasons"] for s in json.loads(r.stdout)["strategies"]}
     assert any(f"{open_dir} is writable by others (mode 777)" in x for x in reasons["criu"]), reasons
     assert not ran.exists(), "plan ran a binary that others can change"
+
+
+def test_criu_facts_are_kept_for_a_while_and_asked_again_when_the_binary_changes(tmp_path):
+    """supervise's crash restarts must not run `criu --version` and `criu check` each time, but a
+    CRIU replaced meanwhile is asked again."""
+    import os
+    from restartkit.facts import criu_facts
+    calls = tmp_path / "calls"
+    fake = tmp_path / "criu"
+    fake.write_text(f'#!/bin/sh\necho "$1" >> {calls}\necho "Version: 9.9"\n')
+    fake.chmod(0o755)
+    first = criu_facts(str(fake))
+    again = criu_facts(str(fake))
+    assert first.version == again.version == "9.9" and first.check_ok and again is not first
+    assert calls.read_text().split() == ["--version", "check"]  # once
+    fake.write_text(f'#!/bin/sh\necho "$1" >> {calls}\necho "Version: 10.0"\nexit 1\n')
+    os.utime(fake, ns=(1, 1))
+    changed = criu_facts(str(fake))
+    assert changed.version == "10.0" and not changed.check_ok
+    assert calls.read_text().split() == ["--version", "check", "--version", "check"]

@@ -30,7 +30,7 @@ from restartkit.process.engine import EngineProcess
 from restartkit.process.lifecycle import ours
 from restartkit.process import keeper
 from restartkit.process.seam import Cut
-from restartkit.process.procfs import argv, kill_tree, listeners, proc_start_ticks, proc_state, tree_pids
+from restartkit.process.procfs import argv, kill_tree, listeners, owner, proc_start_ticks, proc_state, tree_pids
 
 # commands after which the service was meant to serve
 SERVING_COMMANDS = {"restart", "start", "wake", "snapshot restore", "snapshot create", "snapshot refresh", "rollout",
@@ -50,6 +50,8 @@ def reconcile(service, say: Callable[[str], None], stopping: bool = False) -> di
         "reconciling")
     adopted, stopped = None, []
     found = candidates(service, stale)
+    if stale.get("standby"):  # a promotion was under way: its standby is adopted or stopped below, no standby after
+        (service.state_dir / "standby.json").unlink(missing_ok=True)
     recorded = service.current()
     kept = recorded.pid if stopping and recorded is not None else None  # for the stop that follows
     # engines first; keepers (a restore's, an engine's) last: the keeper of an adopted engine stays with it
@@ -91,6 +93,10 @@ def candidates(service, stale: dict) -> list[int]:
     if proc is not None:
         out.append(proc.pid)
     since = stale.get("start_ticks")
+    sb = stale.get("standby") if isinstance(stale.get("standby"), dict) else {}
+    if isinstance(sb.get("pid"), int) and sb["pid"] not in out and proc_start_ticks(sb["pid"]) == sb.get("start_ticks") \
+            and owner(sb["pid"]) == os.getuid():
+        out.append(sb["pid"])  # a standby the dead command was promoting: armed before it started, ours all the same
     for pid in stale.get("pids") or []:
         # ours only: created after the dead command started, as this user, under a keeper of ours
         if isinstance(pid, int) and pid not in out and ours(pid, since if isinstance(since, int) else None):

@@ -100,6 +100,9 @@ def disarm(service, timeout_s: float = 10.0) -> int | None:
     consumed(service)
     if rec is None or not rec["alive"]:
         return None
+    current = service.current()
+    if current is not None and current.pid == rec["pid"]:
+        return None  # promoted (by a command that died before it said so): the service's engine now
     if proc_start_ticks(rec["pid"]) != rec.get("start_ticks"):
         return None  # not ours any more
     try:

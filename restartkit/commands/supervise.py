@@ -349,11 +349,13 @@ class Supervisor:
                 sb["since"], sb["armed"] = None, rec["pid"]
                 self.say(f"{svc.policy.name}: standby PID {rec['pid']} armed ({sb['rearm_s'][-1]:.2f} s without one)")
                 self._save("serving")
+                self._standby_metric(True, sb["rearm_s"][-1])
             if rec["state"] != "prepared" or not (why := stale(svc, rec)):
                 return
             self.say(f"{svc.policy.name}: standby PID {rec['pid']} is stale ({why}); replacing it")
         if sb["since"] is None:
-            sb["since"] = time.monotonic()
+            sb["since"], sb["armed"] = time.monotonic(), None
+            self._standby_metric(False)
         if time.monotonic() < sb["next_try"]:
             return
         sb["next_try"] = time.monotonic() + 5.0
@@ -368,6 +370,14 @@ class Supervisor:
             sb["next_try"] = 0.0  # another command works on the service: the next turn tries again
         except Exception as e:
             self.say(f"{svc.policy.name}: could not arm a standby: {getattr(e, 'message', None) or e}")
+
+    def _standby_metric(self, armed: bool, rearm_s: float | None = None) -> None:
+        from restartkit.record import note_standby, textfile
+        try:
+            note_standby(self.service.state_dir, self.service.policy.name, armed, rearm_s,
+                         textfile(self.service.policy, "restarts"))
+        except OSError:
+            pass  # metrics never stop supervision
 
     def _stop(self, why: str) -> int:
         from restartkit.commands.standby import disarm
