@@ -238,6 +238,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "standby": {
         "enabled": Key(bool, False, doc="keep a standby engine armed (prepared on the weight cache, not listening): "
                        "supervise arms it and promotes it on a crash; the standby strategy promotes it on a restart"),
+        "kv_ahead": Key(str, "auto", ("auto", "always", "never"),
+                        doc="the standby allocates its KV cache and captures its graph while it waits (promotion is "
+                            "then the port only): auto on a GPU whose free memory holds twice the running "
+                            "engine's KV cache"),
         "promote_timeout_s": Key((int, float), 30.0, check=_seconds,
                                  doc="how long a promotion may take before the restart falls to its recovery"),
     },

@@ -71,14 +71,21 @@ def test_supervise_promotes_its_standby_on_a_crash_and_arms_another(supervised, 
     assert not os.path.exists(f"/proc/{second['pid']}") or open(f"/proc/{second['pid']}/stat").read().split()[2] == "Z"
 
 
-def test_a_planned_restart_promotes_the_standby_and_stop_takes_it_down(make_policy, sockdir, preloads, service_cleanup):
+@pytest.mark.parametrize("kv_ahead", ["never", "always"])
+def test_a_planned_restart_promotes_the_standby_and_stop_takes_it_down(make_policy, sockdir, preloads, service_cleanup,
+                                                                       kv_ahead):
+    """kv_ahead: the standby waits prepared (its KV cache allocated at promotion), or activated (KV cache
+    and graph ready, promotion is the port only)."""
     policy = policy_with_standby(make_policy, sockdir)
+    policy.write_text(policy.read_text() + f'kv_ahead = "{kv_ahead}"\n')
     service_cleanup(policy)
     start_preload(policy, preloads)
     assert run_cli("start", "--policy", policy).returncode == 0
     r = run_cli("standby", "arm", "--policy", policy, "--json")
     assert r.returncode == 0, r.stderr
     armed = json.loads(r.stdout)
+    assert armed["kv_ahead"] is (kv_ahead == "always") and armed["state"] == "prepared"
+    assert listeners(port_of(policy)) == [json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]]
     r = run_cli("restart", "--policy", policy, "--strategy", "standby", "--json")
     rec = json.loads(r.stdout)
     assert r.returncode == 0 and rec["served_by"] == "standby" and rec["proof"]["canary_identical"] is True, rec

@@ -47,15 +47,38 @@ def arm(service) -> dict:
     from restartkit.process.lifecycle import _disk_digest
     path, status = _paths(service)
     status.unlink(missing_ok=True)
+    ahead, why = kv_ahead(service)
     args = service.adapter.ipc_args(service.policy) + ["--prepare-only", "--status-file", str(status),
                                                       "--activate-timeout", str(NO_DEADLINE_S)]
+    if ahead:
+        args.append("--activate-ahead")
     proc, _ = service.engine.spawn("standby", args)
     proc.close_ready_fd()  # its readiness comes through the status file
     rec = {"pid": proc.pid, "start_ticks": proc.start_ticks, "create_time": proc.create_time,
            "armed_at": time.time(), "version": service.adapter.version(), "code": code_digest(),
-           "model_digest": _disk_digest(service.policy.service["model"]), "status_file": str(status)}
+           "model_digest": _disk_digest(service.policy.service["model"]), "status_file": str(status),
+           "kv_ahead": ahead, "kv_ahead_why": why}
     write_json_atomic(path, rec)
     return rec
+
+
+def kv_ahead(service) -> tuple[bool, str]:
+    """Whether the standby allocates its KV cache while it waits ([standby] kv_ahead), and why."""
+    from restartkit.process.memory import free_memory
+    want = service.policy.standby["kv_ahead"]
+    if want != "auto":
+        return want == "always", f"[standby] kv_ahead = {want!r}"
+    if service.policy.service["device"] != "cuda":
+        return False, "on the CPU an activated standby would take the serving engine's cores while it waits"
+    try:
+        kv = service.adapter.stats(service.policy, timeout=5).get("kv_cache_bytes") or 0
+    except Exception:
+        return False, "the running engine did not say how large its KV cache is"
+    free = free_memory(service.policy.service["device"])
+    if free is None or not kv:
+        return False, "free memory or the KV cache's size unknown"
+    ok = free >= 2 * kv
+    return ok, f"{free / 1e9:.1f} GB free {'holds' if ok else 'cannot hold'} twice the KV cache ({kv / 1e9:.2f} GB)"
 
 
 def state(service) -> dict | None:
@@ -75,7 +98,9 @@ def state(service) -> dict | None:
         st = {}
     rec["state"] = st.get("state", "starting") if rec["alive"] else "dead"
     rec["admin_port"] = st.get("admin_port")
-    if st.get("state") == "prepared":
+    if rec["state"] == "active" and rec.get("kv_ahead"):
+        rec["state"] = "prepared"  # activated ahead: its KV cache and graph are ready, it waits for the port
+    if st.get("state") in ("prepared", "active"):
         rec["prepared_at"] = st.get("at")
         rec["prepare_s"] = round(st["at"] - rec["armed_at"], 3) if st.get("at") else None
         rec["phases"] = st.get("phases") or {}

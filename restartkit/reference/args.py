@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="prepare (imports, device, weights), then wait for SIGUSR1 before taking the device and the port")
     p.add_argument("--status-file", default=None, help="JSON state for the supervisor (prepare-only mode)")
     p.add_argument("--activate-timeout", type=float, default=300.0)
+    p.add_argument("--activate-ahead", action="store_true",
+                   help="prepare-only mode: activate (KV cache, warm-up, graph) at once, and wait for SIGUSR2 only")
     p.add_argument("--enable-sleep-mode", action="store_true", help="POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping")
     p.add_argument("--sleep-endpoints-public", action="store_true", help="answer sleep endpoints off loopback too")
     p.add_argument("--draft-model", default="", help="a draft checkpoint: greedy requests decode speculatively")

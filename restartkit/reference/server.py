@@ -105,6 +105,8 @@ def serve_prepared(args: argparse.Namespace) -> int:
     log(f"preparing (private port {admin_port}); the public port {args.port} is taken on activation")
     outcome: dict = {}
     activate = threading.Event()
+    if args.activate_ahead:  # a standby with memory to spare: its KV cache and graph are ready before it is needed
+        activate.set()
 
     def gate():
         _write_status(args.status_file, state="prepared", admin_port=admin_port, phases=state.phases)

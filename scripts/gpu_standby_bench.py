@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""The standby engine against #28's targets, on this machine's GPU (or the CPU):
+
+    python3 scripts/gpu_standby_bench.py [--device cuda] [--preset 8b-shape] [--repeat 3] [--kills 5]
+                                         [--kv-ahead auto|always|never] [--modes standby,snapshot,cache]
+
+1. planned restarts: the engine on its weight cache, a standby armed (`restartkit standby arm`), then
+   `restartkit restart --strategy standby`, `--repeat` times (time to ready, the standby's memory);
+2. crashes under supervise, side by side with the other strategies: scripts/supervise_bench.py
+   with --modes (standby first).
+Prints a verdict table: planned time to ready <= 0.3 s (median), crash -> answering <= 0.5 s
+(median), the standby's device memory <= 1.5 GB.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from supervise_bench import ROOT, cli, gpu_mib  # noqa: E402
+
+
+def planned(work: Path, device: str, preset: str, repeat: int, kv_ahead: str, port: int) -> list[dict]:
+    model = work / preset
+    if not (model / "config.json").exists():
+        cli("model", "create", "--preset", preset, "--out", model, "--device", device, check=True)
+    pol = work / "standby.toml"
+    pol.write_text(f"""[service]
+name = "standby-bench"
+engine = "reference"
+model = "{model}"
+port = {port}
+device = "{device}"
+max_model_len = 512
+state_dir = "{work / 'state'}"
+[restart]
+start_timeout_s = 600
+stop_timeout_s = 15
+[ipc]
+socket_dir = "{work / 'sockets'}"
+[standby]
+enabled = true
+kv_ahead = "{kv_ahead}"
+""")
+    out = []
+    try:
+        cli("preload", "--policy", pol, "--detach", check=True)
+        cli("start", "--policy", pol, check=True)
+        cli("restart", "--policy", pol, "--strategy", "ipc", check=True)
+        for _ in range(repeat):
+            sb = json.loads(cli("standby", "arm", "--policy", pol, "--json", check=True).stdout)
+            time.sleep(2)  # an activated-ahead standby finishes its activation
+            mib = gpu_mib(sb["pid"])
+            rec = json.loads(cli("restart", "--policy", pol, "--strategy", "standby", "--json").stdout)
+            att = rec["attempts"][-1]
+            out.append({"served_by": rec["served_by"], "time_to_ready_s": rec["time_to_ready_s"],
+                        "phases": att.get("phases"), "canary_identical": rec["proof"].get("canary_identical"),
+                        "standby_gpu_mib": mib, "standby_rss_mb": round((sb.get("rss_bytes") or 0) / 1e6),
+                        "kv_ahead": sb.get("kv_ahead"), "kv_ahead_why": sb.get("kv_ahead_why"),
+                        "prepare_s": sb.get("prepare_s")})
+    finally:
+        cli("stop", "--policy", pol)
+        cli("weightcache", "release", "--policy", pol, "--stop", "--force")
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--preset", default="8b-shape")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--kills", type=int, default=5)
+    p.add_argument("--kv-ahead", default="auto")
+    p.add_argument("--modes", default="standby,snapshot,cache")
+    p.add_argument("--work", default="/tmp/rk-standby")
+    a = p.parse_args()
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    runs = planned(work, a.device, a.preset, a.repeat, a.kv_ahead, 8771)
+    print(f"\nplanned restarts through the standby ({a.preset}, {a.device}, {time.strftime('%Y-%m-%d %H:%M %Z')})")
+    for r in runs:
+        print(f"  {r['served_by']}: time to ready {r['time_to_ready_s']} s, phases {r['phases']}, canary "
+              f"{r['canary_identical']}, standby {r['standby_gpu_mib']} MiB device / {r['standby_rss_mb']} MB resident, "
+              f"prepared in {r['prepare_s']} s, kv ahead {r['kv_ahead']} ({r['kv_ahead_why']})")
+    ttr = [r["time_to_ready_s"] for r in runs if r["served_by"] == "standby"]
+    mib = [r["standby_gpu_mib"] for r in runs if r["standby_gpu_mib"] is not None]
+    crash = subprocess.run([sys.executable, str(ROOT / "scripts" / "supervise_bench.py"), "--device", a.device,
+                            "--preset", a.preset, "--kills", str(a.kills), "--modes", a.modes, "--work",
+                            str(work / "supervise"), "--watchdog-sec", "0"],
+                           capture_output=True, text=True, cwd=ROOT)
+    print(crash.stdout[-6000:])
+    line = next((ln for ln in crash.stdout.splitlines() if ln.startswith("cache + standby")), "")
+    median = float(line.split("median ")[1].split(" s")[0]) if "median " in line else None
+    verdicts = [
+        (f"planned restart --strategy standby: time to ready median {statistics.median(ttr) if ttr else None} s "
+         f"(<= 0.3 s), {len(ttr)}/{len(runs)} served by standby", bool(ttr) and len(ttr) == len(runs)
+         and statistics.median(ttr) <= 0.3 and all(r["canary_identical"] for r in runs)),
+        (f"crash under supervise -> answering through the standby: median {median} s (<= 0.5 s)",
+         median is not None and median <= 0.5),
+        (f"the standby's device memory: {max(mib) if mib else None} MiB (<= 1536)", bool(mib) and max(mib) <= 1536),
+    ]
+    print("verdict")
+    for what, ok in verdicts:
+        print(f"  {'ok  ' if ok else 'FAIL'} {what}")
+    return 0 if all(ok for _, ok in verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
