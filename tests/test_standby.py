@@ -126,3 +126,24 @@ def test_a_dead_standby_or_a_reason_it_cannot_serve_is_never_promoted(make_polic
     r = run_cli("restart", "--policy", policy, "--strategy", "standby", "--json")  # asked for by name: its recovery
     rec = json.loads(r.stdout)
     assert rec["served_by"] == "cold" and rec["via_recovery"] and "is gone" in rec["recovery_reason"], rec
+
+
+def test_the_weight_cache_killed_under_an_armed_standby_is_no_outage(make_policy, sockdir, preloads, service_cleanup):
+    """The standby maps its weights from the cache: killed, the cache leaves the mapping in place (memfd on
+    the CPU), so the promotion still serves, proven by the canary; whatever serves, the service serves."""
+    policy = policy_with_standby(make_policy, sockdir)
+    service_cleanup(policy)
+    cache = start_preload(policy, preloads)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    assert run_cli("restart", "--policy", policy, "--strategy", "ipc").returncode == 0  # onto the cache
+    assert run_cli("standby", "arm", "--policy", policy).returncode == 0
+    from restartkit.process.procfs import kill_tree
+    kill_tree(cache.pid)  # the launcher and its daemons, SIGKILL
+    cache.wait(10)
+    wait_for(lambda: all(d.get("state") != "ready" for d in json.loads(
+        run_cli("weightcache", "status", "--policy", policy, "--json").stdout)["daemons"]))
+    r = run_cli("restart", "--policy", policy, "--json")
+    rec = json.loads(r.stdout)
+    assert r.returncode == 0 and rec["final_state"] == "serving" and rec["proof"]["canary_identical"] is True, rec
+    assert rec["served_by"] == "standby", rec  # its weights were attached before the cache went
+    assert json.loads(run_cli("status", "--policy", policy, "--json").stdout)["serving"]
