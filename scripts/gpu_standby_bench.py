@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from supervise_bench import ROOT, cli, gpu_mib  # noqa: E402
 
 
-def planned(work: Path, device: str, preset: str, repeat: int, kv_ahead: str, port: int) -> list[dict]:
+def planned(work: Path, device: str, preset: str, repeat: int, kv_ahead: str, port: int, overlap: bool) -> list[dict]:
     model = work / preset
     if not (model / "config.json").exists():
         cli("model", "create", "--preset", preset, "--out", model, "--device", device, check=True)
@@ -41,6 +41,7 @@ state_dir = "{work / 'state'}"
 [restart]
 start_timeout_s = 600
 stop_timeout_s = 15
+overlap = {"true" if overlap else "false"}
 [ipc]
 socket_dir = "{work / 'sockets'}"
 [standby]
@@ -56,13 +57,15 @@ kv_ahead = "{kv_ahead}"
             sb = json.loads(cli("standby", "arm", "--policy", pol, "--json", check=True).stdout)
             time.sleep(2)  # an activated-ahead standby finishes its activation
             mib = gpu_mib(sb["pid"])
-            rec = json.loads(cli("restart", "--policy", pol, "--strategy", "standby", "--json").stdout)
+            rec = json.loads(cli("restart", "--policy", pol, "--strategy", "standby", "--json",
+                                 *(["--measure-downtime"] if overlap else [])).stdout)
             att = rec["attempts"][-1]
             out.append({"served_by": rec["served_by"], "time_to_ready_s": rec["time_to_ready_s"],
                         "phases": att.get("phases"), "canary_identical": rec["proof"].get("canary_identical"),
                         "standby_gpu_mib": mib, "standby_rss_mb": round((sb.get("rss_bytes") or 0) / 1e6),
                         "kv_ahead": sb.get("kv_ahead"), "kv_ahead_why": sb.get("kv_ahead_why"),
-                        "prepare_s": sb.get("prepare_s")})
+                        "prepare_s": sb.get("prepare_s"), "beside": att.get("proof", {}).get("overlap"),
+                        "downtime": rec.get("downtime")})
     finally:
         cli("stop", "--policy", pol)
         cli("weightcache", "release", "--policy", pol, "--stop", "--force")
@@ -78,17 +81,32 @@ def main() -> int:
     p.add_argument("--kv-ahead", default="auto")
     p.add_argument("--modes", default="standby,snapshot,cache")
     p.add_argument("--work", default="/tmp/rk-standby")
+    p.add_argument("--overlap", action="store_true", help="[restart] overlap: the standby takes the port beside the old engine")
+    p.add_argument("--no-crash", action="store_true", help="planned restarts only")
     a = p.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    runs = planned(work, a.device, a.preset, a.repeat, a.kv_ahead, 8771)
+    runs = planned(work, a.device, a.preset, a.repeat, a.kv_ahead, 8771, a.overlap)
     print(f"\nplanned restarts through the standby ({a.preset}, {a.device}, {time.strftime('%Y-%m-%d %H:%M %Z')})")
     for r in runs:
         print(f"  {r['served_by']}: time to ready {r['time_to_ready_s']} s, phases {r['phases']}, canary "
               f"{r['canary_identical']}, standby {r['standby_gpu_mib']} MiB device / {r['standby_rss_mb']} MB resident, "
-              f"prepared in {r['prepare_s']} s, kv ahead {r['kv_ahead']} ({r['kv_ahead_why']})")
+              f"prepared in {r['prepare_s']} s, kv ahead {r['kv_ahead']} ({r['kv_ahead_why']}), beside the old "
+              f"engine {r['beside']}, downtime {r['downtime']}")
     ttr = [r["time_to_ready_s"] for r in runs if r["served_by"] == "standby"]
     mib = [r["standby_gpu_mib"] for r in runs if r["standby_gpu_mib"] is not None]
+    downs = [r["downtime"]["downtime_s"] for r in runs if (r["downtime"] or {}).get("downtime_s") is not None]
+    if a.no_crash:
+        verdicts = [(f"planned restart --strategy standby: time to ready median {statistics.median(ttr) if ttr else None}"
+                     f" s (<= 0.3 s)", bool(ttr) and statistics.median(ttr) <= 0.3),
+                    (f"the standby's device memory: {max(mib) if mib else None} MiB (<= 1536)", bool(mib) and max(mib) <= 1536)]
+        if a.overlap:
+            verdicts.append((f"downtime beside the old engine: median {statistics.median(downs) if downs else None} s"
+                             " (<= 0.1 s)", bool(downs) and statistics.median(downs) <= 0.1))
+        print("verdict")
+        for what, ok in verdicts:
+            print(f"  {'ok  ' if ok else 'FAIL'} {what}")
+        return 0 if all(ok for _, ok in verdicts) else 1
     crash = subprocess.run([sys.executable, str(ROOT / "scripts" / "supervise_bench.py"), "--device", a.device,
                             "--preset", a.preset, "--kills", str(a.kills), "--modes", a.modes, "--work",
                             str(work / "supervise"), "--watchdog-sec", "0"],

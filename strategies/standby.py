@@ -74,18 +74,28 @@ class StandbyStrategy(BaseStrategy):
         # killed meanwhile, restartkit leaves the next command a standby to adopt (it took the port) or to stop
         service.intent.update(standby={"pid": new.pid, "start_ticks": new.start_ticks})
         old = service.current()
+        # beside the old engine (SO_REUSEPORT on both, the standby's KV cache allocated already): the port never
+        # closes, and the old engine stops once the standby serves
+        beside = old is not None and bool(facts.service.stats.get("reuse_port")) and bool(rec.get("kv_ahead"))
+        out.proof["overlap"] = beside
         t0 = time.monotonic()
-        if old is not None:
+        if old is not None and not beside:
             out.proof["old_stop"] = service.engine.stop()  # drained and exited: its KV cache is free
             phases["stop_old"] = round(time.monotonic() - t0, 4)
         t1 = time.monotonic()
         try:
             private, stats = _activate(service, new, status, out, old, pol.standby["promote_timeout_s"])
             phases["activate"] = round(time.monotonic() - t1, 4)
-            out.proof["new_engine_canary"] = _canary_at(service, private, first_only=True)
+            out.proof["new_engine_canary"] = _canary_at(service, private, first_only=not beside)
             os.kill(new.pid, signal.SIGUSR2)
             _wait_state(status, new, "ready", pol.standby["promote_timeout_s"])
-        except Exception as e:  # the old engine is gone: the restart's recovery (cold) takes over
+        except Exception as e:
+            if beside:  # the old engine was not touched: it keeps serving
+                new.stop(timeout_s=5)
+                consumed(service)
+                out.error, out.old_still_serving = f"the standby (PID {new.pid}) failed its promotion: {e}", True
+                return out
+            # the old engine is gone: the restart's recovery (cold) takes over
             if new.alive():
                 new.stop(timeout_s=5)
             consumed(service)
@@ -99,4 +109,8 @@ class StandbyStrategy(BaseStrategy):
         consumed(service)
         phases["stop_to_ready"] = round(time.monotonic() - t1, 4)
         out.ready_at = time.monotonic()
+        if beside:
+            t2 = time.monotonic()
+            out.proof["old_stop"] = service.engine.stop()  # SIGTERM: it finishes what it answers, closes its listener
+            phases["stop_old"] = round(time.monotonic() - t2, 4)
         return _took_over(service, new, "standby", stats, out, t0)

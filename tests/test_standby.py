@@ -147,3 +147,23 @@ def test_the_weight_cache_killed_under_an_armed_standby_is_no_outage(make_policy
     assert r.returncode == 0 and rec["final_state"] == "serving" and rec["proof"]["canary_identical"] is True, rec
     assert rec["served_by"] == "standby", rec  # its weights were attached before the cache went
     assert json.loads(run_cli("status", "--policy", policy, "--json").stdout)["serving"]
+
+
+def test_a_standby_ready_ahead_takes_the_port_beside_the_old_engine(make_policy, sockdir, preloads, service_cleanup):
+    """[restart] overlap and a standby activated ahead: it takes the port beside the old engine (SO_REUSEPORT),
+    then the old one stops; the port is never closed."""
+    policy = policy_with_standby(make_policy, sockdir)
+    policy.write_text(policy.read_text().replace("[restart]\n", "[restart]\noverlap = true\n")
+                      + 'kv_ahead = "always"\n')
+    service_cleanup(policy)
+    start_preload(policy, preloads)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    old = json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]
+    assert run_cli("standby", "arm", "--policy", policy).returncode == 0
+    r = run_cli("restart", "--policy", policy, "--strategy", "standby", "--measure-downtime", "--json")
+    rec = json.loads(r.stdout)
+    assert r.returncode == 0 and rec["served_by"] == "standby" and rec["proof"]["canary_identical"] is True, rec
+    att = rec["attempts"][-1]
+    assert att["proof"]["overlap"] is True and "stop_old" in att["phases"] and rec["downtime"] is not None, att
+    assert listeners(port_of(policy)) == [att["proof"]["standby_pid"]]
+    assert not os.path.exists(f"/proc/{old}") or open(f"/proc/{old}/stat").read().split()[2] == "Z"
