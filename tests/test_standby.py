@@ -167,3 +167,25 @@ def test_a_standby_ready_ahead_takes_the_port_beside_the_old_engine(make_policy,
     assert att["proof"]["overlap"] is True and "stop_old" in att["phases"] and rec["downtime"] is not None, att
     assert listeners(port_of(policy)) == [att["proof"]["standby_pid"]]
     assert not os.path.exists(f"/proc/{old}") or open(f"/proc/{old}/stat").read().split()[2] == "Z"
+
+
+def test_a_standby_armed_before_a_weights_change_is_never_promoted(make_policy, sockdir, preloads, service_cleanup,
+                                                                    tmp_path):
+    """New weights on disk: the standby holds the old ones.  plan refuses it for the reason and for itself, and
+    supervise would replace it (stale)."""
+    import shutil
+    from restartkit.reference.checkpoint import write_checkpoint
+    model = tmp_path / "own-model"
+    write_checkpoint(model, "tiny", seed=1)
+    import functools
+    policy = policy_with_standby(functools.partial(make_policy, model=str(model)), sockdir)
+    service_cleanup(policy)
+    start_preload(policy, preloads)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    assert run_cli("standby", "arm", "--policy", policy).returncode == 0
+    shutil.rmtree(model)
+    write_checkpoint(model, "tiny", seed=2)  # other weights, same shapes
+    plan = json.loads(run_cli("plan", "--policy", policy, "--json").stdout)
+    why = {v["strategy"]: " ".join(v["reasons"]) for v in plan["strategies"]}
+    assert plan["reason"] == "weights" and plan["attempt"] != "standby"
+    assert "the weights on disk changed since it was armed" in why["standby"], why["standby"]
