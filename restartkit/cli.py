@@ -435,23 +435,10 @@ def standby():
 @friendly
 def standby_arm(policy_path, wait_s, as_json):
     """Start a standby engine (a standby already armed is replaced) and wait until it is prepared."""
-    from restartkit.commands.standby import arm, disarm, state
-    from restartkit.errors import EngineStartError
+    from restartkit.commands.standby import arm_prepared
     svc = load(policy_path)
     with guarded(svc, "standby arm", wait_s):
-        disarm(svc)
-        rec = arm(svc)
-        say(f"{svc.policy.name}: standby PID {rec['pid']} preparing; its log: {svc.engine.log_path}")
-        timeout = svc.policy.restart["start_timeout_s"]
-        if not svc.seam.wait_until(lambda: (state(svc) or {}).get("state") in ("prepared", "dead", "failed"),
-                                   timeout, 0.05):
-            disarm(svc)
-            raise EngineStartError(f"the standby was not prepared within {timeout:.0f} s; stopped",
-                                   hint=f"see its log: {svc.engine.log_path}")
-        st = state(svc)
-        if st["state"] != "prepared":
-            disarm(svc)
-            raise EngineStartError(f"the standby {st['state']} while preparing", hint=f"see its log: {svc.engine.log_path}")
+        st = arm_prepared(svc, say)
     emit(st, as_json, f"{svc.policy.name}: standby PID {st['pid']} armed in {st.get('prepare_s')} s "
                       f"({(st.get('rss_bytes') or 0) / 1e6:.0f} MB resident; not listening on the service's port)")
 

@@ -189,3 +189,36 @@ def test_a_standby_armed_before_a_weights_change_is_never_promoted(make_policy, 
     why = {v["strategy"]: " ".join(v["reasons"]) for v in plan["strategies"]}
     assert plan["reason"] == "weights" and plan["attempt"] != "standby"
     assert "the weights on disk changed since it was armed" in why["standby"], why["standby"]
+
+
+def test_restartkit_killed_during_a_promotion_is_reconciled_by_the_next_command(make_policy, sockdir, preloads,
+                                                                                service_cleanup):
+    """SIGKILL to `restartkit restart` while it promotes (the standby held stopped, so that the promotion waits):
+    the next command finds the intent, stops the half-promoted standby (it never took the port) and, as the
+    killed restart meant the service to serve, starts it cold."""
+    import subprocess
+    import sys
+    from tests.conftest import ROOT
+    policy = policy_with_standby(make_policy, sockdir)
+    policy.write_text(policy.read_text() + 'kv_ahead = "never"\n')
+    service_cleanup(policy)
+    start_preload(policy, preloads)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    assert run_cli("standby", "arm", "--policy", policy).returncode == 0
+    sb = standby(policy)["pid"]
+    os.kill(sb, signal.SIGSTOP)
+    intent = policy.parent / "state" / "svc" / "intent.json"
+    p = subprocess.Popen([sys.executable, "-m", "restartkit.cli", "restart", "--policy", str(policy), "--strategy",
+                          "standby"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: intent.exists() and "standby" in intent.read_text())
+        time.sleep(1.0)  # the old engine stopped; the promotion waits for the stopped standby
+        p.kill()
+        p.wait(10)
+    finally:
+        os.kill(sb, signal.SIGCONT)
+    r = run_cli("status", "--policy", policy, "--json")
+    st = json.loads(r.stdout)
+    assert "interrupted `restartkit restart`" in r.stderr and st["serving"] and st["pid"] != sb, (r.stderr, st)
+    assert st["standby"] is None and listeners(port_of(policy)) == [st["pid"]]
+    wait_for(lambda: not os.path.exists(f"/proc/{sb}") or open(f"/proc/{sb}/stat").read().split()[2] == "Z", 15)

@@ -62,6 +62,24 @@ def arm(service) -> dict:
     return rec
 
 
+def arm_prepared(service, say) -> dict:
+    """`restartkit standby arm`: replace any standby with a new one and wait until it is prepared (within
+    [restart] start_timeout_s); EngineStartError, the standby stopped, when it is not."""
+    from restartkit.errors import EngineStartError
+    disarm(service)
+    rec = arm(service)
+    say(f"{service.policy.name}: standby PID {rec['pid']} preparing; its log: {service.engine.log_path}")
+    timeout = service.policy.restart["start_timeout_s"]
+    done = service.seam.wait_until(lambda: (state(service) or {}).get("state") in ("prepared", "dead", "failed"),
+                                   timeout, 0.05)
+    st = state(service) or {"state": "dead"}
+    if not done or st["state"] != "prepared":
+        disarm(service)
+        what = f"was not prepared within {timeout:.0f} s" if not done else f"{st['state']} while preparing"
+        raise EngineStartError(f"the standby {what}; stopped", hint=f"see its log: {service.engine.log_path}")
+    return st
+
+
 def kv_ahead(service) -> tuple[bool, str]:
     """Whether the standby allocates its KV cache while it waits ([standby] kv_ahead), and why."""
     from restartkit.process.memory import free_memory
