@@ -222,3 +222,44 @@ def test_restartkit_killed_during_a_promotion_is_reconciled_by_the_next_command(
     assert "interrupted `restartkit restart`" in r.stderr and st["serving"] and st["pid"] != sb, (r.stderr, st)
     assert st["standby"] is None and listeners(port_of(policy)) == [st["pid"]]
     wait_for(lambda: not os.path.exists(f"/proc/{sb}") or open(f"/proc/{sb}/stat").read().split()[2] == "Z", 15)
+
+
+def test_many_re_arms_leave_nothing_behind(make_policy, sockdir, preloads, service_cleanup):
+    """Five standbys armed and replaced: the weight cache lists only the engine and the last standby as
+    attached (no attachment of a dead standby is kept), and no standby process is left."""
+    policy = policy_with_standby(make_policy, sockdir)
+    service_cleanup(policy)
+    start_preload(policy, preloads)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    assert run_cli("restart", "--policy", policy, "--strategy", "ipc").returncode == 0
+    pids = []
+    for _ in range(5):
+        assert run_cli("standby", "arm", "--policy", policy).returncode == 0  # replaces the one before
+        pids.append(standby(policy)["pid"])
+    engine = json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]
+
+    def attached():
+        daemons = json.loads(run_cli("weightcache", "status", "--policy", policy, "--json").stdout)["daemons"]
+        return sorted(daemons[0]["attached"])
+    wait_for(lambda: attached() == sorted([engine, pids[-1]]), 30)
+    gone = [p for p in pids[:-1] if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+    assert gone == []
+
+
+def test_two_promotions_at_once_are_one_after_the_other(make_policy, sockdir, preloads, service_cleanup):
+    import subprocess
+    import sys
+    from tests.conftest import ROOT
+    policy = policy_with_standby(make_policy, sockdir)
+    service_cleanup(policy)
+    start_preload(policy, preloads)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    assert run_cli("standby", "arm", "--policy", policy).returncode == 0
+    cmd = [sys.executable, "-m", "restartkit.cli", "restart", "--policy", str(policy), "--strategy", "standby",
+           "--wait", "60", "--json"]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    recs = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    assert sorted(r["served_by"] for r in recs) == ["cold", "standby"], recs  # the second found no standby
+    assert all(r["final_state"] == "serving" and r["proof"]["canary_identical"] is True for r in recs), recs
+    st = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
+    assert st["serving"] and listeners(port_of(policy)) == [st["pid"]]
