@@ -82,8 +82,9 @@ def make_plan(facts: Facts, policy, requested: str, strategies: dict, overlap: b
         notes.append("overlap: ipc restarts prepare the new engine beside the old one" if why_not is None
                      else f"overlap is on but does not apply: {why_not}")
     if policy.restart["overlap"] if overlap is None else overlap:
-        if attempt != "ipc":
-            plan.overlap_dropped = f"--overlap applies to ipc restarts only; this restart runs {attempt} without it"
+        if attempt not in ("ipc", "standby"):
+            plan.overlap_dropped = (f"--overlap applies to ipc and standby restarts only; this restart runs {attempt} "
+                                    "without it")
         elif why_not:
             plan.overlap_dropped = f"--overlap does not apply ({why_not}); this restart runs without it"
         else:

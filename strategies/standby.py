@@ -63,8 +63,7 @@ class StandbyStrategy(BaseStrategy):
         return {"standby": rec, "stale": stale(service, rec) if rec and rec["alive"] else None}
 
     def execute(self, service, facts: Facts, plan: Plan) -> Outcome:
-        from restartkit.commands.standby import consumed, process
-        pol = service.policy
+        from restartkit.commands.standby import process
         rec = _sb(facts)["standby"]
         new = process(service, rec)
         status = service.state_dir / "standby-status.json"
@@ -74,15 +73,32 @@ class StandbyStrategy(BaseStrategy):
         # killed meanwhile, restartkit leaves the next command a standby to adopt (it took the port) or to stop
         service.intent.update(standby={"pid": new.pid, "start_ticks": new.start_ticks})
         old = service.current()
-        # beside the old engine (SO_REUSEPORT on both, the standby's KV cache allocated already): the port never
-        # closes, and the old engine stops once the standby serves
-        beside = old is not None and bool(facts.service.stats.get("reuse_port")) and bool(rec.get("kv_ahead"))
+        # overlapped ([restart] overlap or --overlap), beside the old engine (SO_REUSEPORT on both, the standby's
+        # KV cache allocated already): the port never closes, and the old engine stops once the standby serves
+        beside = (old is not None and plan.overlap and bool(facts.service.stats.get("reuse_port"))
+                  and bool(rec.get("kv_ahead")))
         out.proof["overlap"] = beside
         t0 = time.monotonic()
-        if old is not None and not beside:
+        handover = None
+        if old is not None and not beside and rec.get("kv_ahead"):
+            # the standby holds its own KV cache: the port free is all it waits for; the old one exits meanwhile
+            handover = service.engine.hand_over()
+            phases["stop_old"] = handover.port_free_s
+        elif old is not None and not beside:
             out.proof["old_stop"] = service.engine.stop()  # drained and exited: its KV cache is free
             phases["stop_old"] = round(time.monotonic() - t0, 4)
         t1 = time.monotonic()
+        try:
+            return self._promote(service, new, status, out, old, beside, t0, t1)
+        finally:
+            if handover is not None:
+                handover.join()
+                out.proof["old_stop"] = handover.how
+
+    def _promote(self, service, new, status, out: Outcome, old, beside: bool, t0: float, t1: float) -> Outcome:
+        """SIGUSR1 (activate, unless done ahead), the canary on its private port, SIGUSR2 (the public port)."""
+        from restartkit.commands.standby import consumed
+        pol, phases = service.policy, out.phases
         try:
             private, stats = _activate(service, new, status, out, old, pol.standby["promote_timeout_s"])
             phases["activate"] = round(time.monotonic() - t1, 4)
