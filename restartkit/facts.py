@@ -146,7 +146,7 @@ def criu_facts(policy_path: str = "", run_check: bool = True) -> CriuFacts:
     """What CRIU is and whether `criu check` passes.  Two subprocesses (65 ms on the CPU here, more on a
     GPU host): kept for CRIU_FACTS_TTL_S per binary (path, inode, size, mtime), so that supervise's
     crash restarts do not pay for them between noticing a crash and restarting."""
-    path, _source = find_criu(policy_path)
+    path, source = find_criu(policy_path)
     try:
         st = os.stat(path) if path else None
     except OSError:
@@ -155,14 +155,13 @@ def criu_facts(policy_path: str = "", run_check: bool = True) -> CriuFacts:
     hit = _criu_seen.get(key)
     if hit is not None and time.monotonic() - hit[0] < CRIU_FACTS_TTL_S:
         return dataclasses.replace(hit[1])
-    facts = _criu_facts(policy_path, run_check)
+    facts = _criu_facts(path, source, run_check)
     _criu_seen.clear()
     _criu_seen[key] = (time.monotonic(), facts)
     return dataclasses.replace(facts)
 
 
-def _criu_facts(policy_path: str, run_check: bool) -> CriuFacts:
-    path, source = find_criu(policy_path)
+def _criu_facts(path: str | None, source: str, run_check: bool) -> CriuFacts:
     facts = CriuFacts(path=path, source=source)
     if not path:
         return facts

@@ -78,6 +78,14 @@ def prom_value(path, name) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
+def gone(pid: int) -> bool:
+    """The process has exited (no entry in /proc, or a zombie waiting to be collected)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 def engines_on(policy) -> list[int]:
     """PIDs of reference engines serving this policy's port (in any PID namespace: as this one sees them)."""
     port = policy.read_text().split("port = ")[1].split()[0]

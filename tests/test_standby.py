@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.conftest import prom_sample, run_cli
-from tests.helpers import ipc_policy, start_preload
+from tests.helpers import gone, ipc_policy, start_preload
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +68,7 @@ def test_supervise_promotes_its_standby_on_a_crash_and_arms_another(supervised, 
     assert prom_sample(prom, "restartkit_restart_total", service="svc", strategy="standby", outcome="ok") == 1
     os.killpg(s.proc.pid, signal.SIGTERM)
     assert s.proc.wait(30) == 0
-    assert not os.path.exists(f"/proc/{second['pid']}") or open(f"/proc/{second['pid']}/stat").read().split()[2] == "Z"
+    assert gone(second["pid"])
 
 
 @pytest.mark.parametrize("kv_ahead", ["never", "always"])
@@ -95,7 +95,7 @@ def test_a_planned_restart_promotes_the_standby_and_stop_takes_it_down(make_poli
     r = run_cli("stop", "--policy", policy, "--json")
     assert r.returncode == 0 and f"its standby (PID {again['pid']}) stopped" in json.loads(r.stdout)["how"], r.stdout
     assert standby(policy) is None and listeners(port_of(policy)) == []
-    assert not os.path.exists(f"/proc/{again['pid']}") or open(f"/proc/{again['pid']}/stat").read().split()[2] == "Z"
+    assert gone(again["pid"])
 
 
 def standby_gone_engine(policy) -> int:
@@ -166,7 +166,7 @@ def test_a_standby_ready_ahead_takes_the_port_beside_the_old_engine(make_policy,
     att = rec["attempts"][-1]
     assert att["proof"]["overlap"] is True and "stop_old" in att["phases"] and rec["downtime"] is not None, att
     assert listeners(port_of(policy)) == [att["proof"]["standby_pid"]]
-    assert not os.path.exists(f"/proc/{old}") or open(f"/proc/{old}/stat").read().split()[2] == "Z"
+    assert gone(old)
 
 
 def test_a_standby_armed_before_a_weights_change_is_never_promoted(make_policy, sockdir, preloads, service_cleanup,
@@ -221,7 +221,7 @@ def test_restartkit_killed_during_a_promotion_is_reconciled_by_the_next_command(
     st = json.loads(r.stdout)
     assert "interrupted `restartkit restart`" in r.stderr and st["serving"] and st["pid"] != sb, (r.stderr, st)
     assert st["standby"] is None and listeners(port_of(policy)) == [st["pid"]]
-    wait_for(lambda: not os.path.exists(f"/proc/{sb}") or open(f"/proc/{sb}/stat").read().split()[2] == "Z", 15)
+    wait_for(lambda: gone(sb), 15)
 
 
 def test_many_re_arms_leave_nothing_behind(make_policy, sockdir, preloads, service_cleanup):
@@ -242,8 +242,7 @@ def test_many_re_arms_leave_nothing_behind(make_policy, sockdir, preloads, servi
         daemons = json.loads(run_cli("weightcache", "status", "--policy", policy, "--json").stdout)["daemons"]
         return sorted(daemons[0]["attached"])
     wait_for(lambda: attached() == sorted([engine, pids[-1]]), 30)
-    gone = [p for p in pids[:-1] if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
-    assert gone == []
+    assert [p for p in pids[:-1] if not gone(p)] == []
 
 
 def test_two_promotions_at_once_are_one_after_the_other(make_policy, sockdir, preloads, service_cleanup):

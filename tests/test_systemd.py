@@ -48,6 +48,15 @@ def left_running(flag) -> list[int]:
     return out
 
 
+def sigterm_stops_in_time(s) -> None:
+    """SIGTERM to supervise: STOPPING=1 within 2 s, exit 0 within stop_timeout_s + 5 s."""
+    t0 = time.monotonic()
+    os.killpg(s.proc.pid, signal.SIGTERM)
+    s.wait_note("STOPPING=1", timeout=2)
+    assert time.monotonic() - t0 <= 2
+    assert s.proc.wait(STOP_TIMEOUT_S + 5) == 0
+
+
 def wait_for(what, timeout: float = 60, every: float = 0.1):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -89,11 +98,7 @@ def test_sigterm_during_a_restarts_20s_start_stops_within_the_stop_timeout(super
     s.wait_note("STATUS=restarting (crash)")
     wait_for(lambda: left_running(flag))  # the new engine's shell is in its 20 s
     time.sleep(1)
-    t0 = time.monotonic()
-    os.killpg(s.proc.pid, signal.SIGTERM)
-    s.wait_note("STOPPING=1", timeout=2)
-    assert time.monotonic() - t0 <= 2
-    assert s.proc.wait(STOP_TIMEOUT_S + 5) == 0
+    sigterm_stops_in_time(s)
     assert left_running(flag) == [] and engines_on(policy) == []
     out = s.proc.stdout.read()
     assert "interrupted by SIGTERM" in out, out
@@ -112,11 +117,7 @@ def test_sigterm_during_the_first_20s_start_stops_at_once(supervised, make_polic
     # a start that runs long: TimeoutStartSec extended to what the policy allows now, whatever the unit said
     extend = [int(m.split("=")[1]) for m in s.messages if m.startswith("EXTEND_TIMEOUT_USEC=")]
     assert extend and max(extend) >= 60e6, s.messages  # [restart] start_timeout_s = 60
-    t0 = time.monotonic()
-    os.killpg(s.proc.pid, signal.SIGTERM)
-    s.wait_note("STOPPING=1", timeout=2)
-    assert time.monotonic() - t0 <= 2
-    assert s.proc.wait(STOP_TIMEOUT_S + 5) == 0
+    sigterm_stops_in_time(s)
     assert left_running(flag) == [] and engines_on(policy) == []
     assert "READY=1" not in s.messages
 

@@ -19,7 +19,7 @@ class Cut(BaseException):
     BaseException, as KeyboardInterrupt: no `except Exception` of a strategy takes it for a
     failure to recover from."""
     record = None  # the restart's record, when a restart was cut
-    killed: list[int] = []  # what the cut work had started, killed when it was cut
+    killed: tuple[int, ...] | list[int] = ()  # what the cut work had started, killed when it was cut
 
     def __init__(self, signum: int):
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
