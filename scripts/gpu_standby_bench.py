@@ -109,7 +109,7 @@ def main() -> int:
         return 0 if all(ok for _, ok in verdicts) else 1
     crash = subprocess.run([sys.executable, str(ROOT / "scripts" / "supervise_bench.py"), "--device", a.device,
                             "--preset", a.preset, "--kills", str(a.kills), "--modes", a.modes, "--work",
-                            str(work / "supervise"), "--watchdog-sec", "0"],
+                            str(work / "supervise"), "--model", str(work / a.preset), "--watchdog-sec", "0"],
                            capture_output=True, text=True, cwd=ROOT)
     print(crash.stdout[-6000:])
     line = next((ln for ln in crash.stdout.splitlines() if ln.startswith("cache + standby")), "")

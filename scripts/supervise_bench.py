@@ -207,10 +207,11 @@ def main() -> int:
     p.add_argument("--modes", default="cache,cold", help="cache, cold, snapshot, standby (comma-separated)")
     p.add_argument("--watchdog-sec", type=float, default=4.0, help="WATCHDOG_USEC given to supervise (0: none)")
     p.add_argument("--sigterm-mid-restart", action="store_true")
+    p.add_argument("--model", help="an existing checkpoint to use (default: WORK/PRESET, created when missing)")
     a = p.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    model = work / a.preset
+    model = Path(a.model) if a.model else work / a.preset
     if not (model / "config.json").exists():
         cli("model", "create", "--preset", a.preset, "--out", model, "--device", a.device, check=True)
     pol = work / "supervised.toml"

@@ -70,9 +70,14 @@ class StandbyStrategy(BaseStrategy):
         phases: dict[str, float] = {}
         out = Outcome(self.name, ok=False, phases=phases, proof={"standby_pid": new.pid,
                                                                 "armed_s": round(time.time() - rec["armed_at"], 1)})
+        old = service.current()
+        if old is None and (holder := service.engine.port_holder_after_grace()):
+            # someone else's listener: the standby could not take the port; it stays armed for when it is free
+            out.error = (f"port {service.policy.service['port']} is already in use by {holder}; the standby "
+                         f"(PID {new.pid}) stays armed")
+            return out
         # killed meanwhile, restartkit leaves the next command a standby to adopt (it took the port) or to stop
         service.intent.update(standby={"pid": new.pid, "start_ticks": new.start_ticks})
-        old = service.current()
         # overlapped ([restart] overlap or --overlap), beside the old engine (SO_REUSEPORT on both, the standby's
         # KV cache allocated already): the port never closes, and the old engine stops once the standby serves
         beside = (old is not None and plan.overlap and bool(facts.service.stats.get("reuse_port"))

@@ -262,3 +262,97 @@ def test_two_promotions_at_once_are_one_after_the_other(make_policy, sockdir, pr
     assert all(r["final_state"] == "serving" and r["proof"]["canary_identical"] is True for r in recs), recs
     st = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
     assert st["serving"] and listeners(port_of(policy)) == [st["pid"]]
+
+
+def test_supervise_killed_during_a_crash_promotion_is_reconciled_by_the_next_command(supervised, make_policy, sockdir,
+                                                                                       preloads):
+    """SIGKILL to supervise while it promotes its standby after a crash (the standby held stopped, so that the
+    promotion waits): the next command stops the half-promoted standby and, as supervise meant the service to
+    serve, starts it cold."""
+    policy = policy_with_standby(make_policy, sockdir)
+    policy.write_text(policy.read_text() + 'kv_ahead = "never"\n')
+    start_preload(policy, preloads)
+    s = supervised(policy)
+    sb = wait_for(lambda: (st := standby(policy)) and st["state"] == "prepared" and st)["pid"]
+    engine = s.status()["pid"]
+    intent = policy.parent / "state" / "svc" / "intent.json"
+    os.kill(sb, signal.SIGSTOP)
+    try:
+        os.kill(engine, signal.SIGKILL)
+        wait_for(lambda: intent.exists() and "standby" in intent.read_text())
+        time.sleep(0.5)
+        os.kill(s.proc.pid, signal.SIGKILL)  # supervise only: its engines are the next command's to sort out
+        s.proc.wait(10)
+    finally:
+        os.kill(sb, signal.SIGCONT)
+    r = run_cli("status", "--policy", policy, "--json")
+    st = json.loads(r.stdout)
+    assert "interrupted `restartkit supervise restart (crash)`" in r.stderr, r.stderr
+    assert st["serving"] and st["pid"] not in (sb, engine) and st["standby"] is None, (r.stderr, st)
+    assert listeners(port_of(policy)) == [st["pid"]]
+    wait_for(lambda: gone(sb), 15)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="mount namespaces need root")
+@pytest.mark.parametrize("fault", ["read-only", "full"])
+def test_standby_arm_on_a_state_dir_that_cannot_be_written_leaves_nothing_running(make_policy, sockdir, preloads,
+                                                                                    service_cleanup, fault):
+    import subprocess
+    from tests.conftest import RESTARTKIT, ROOT
+    policy = policy_with_standby(make_policy, sockdir)
+    service_cleanup(policy)
+    start_preload(policy, preloads)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    engine = json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]
+    sd = policy.parent / "state" / "svc"
+    cmd = " ".join(map(str, [*RESTARTKIT, "standby", "arm", "--policy", policy]))
+    if fault == "read-only":
+        script = f"mount --bind {sd} {sd} && mount -o remount,bind,ro {sd} && exec {cmd}"
+    else:  # a small filesystem holding the state dir's files, filled up
+        script = (f"cp -a {sd} {sd}.copy && mount -t tmpfs -o size=512k tmpfs {sd} && cp -a {sd}.copy/. {sd}/ && "
+                  f"rm -rf {sd}.copy && (dd if=/dev/zero of={sd}/filler bs=4k 2>/dev/null; true) && exec {cmd}")
+    before = set(os.listdir("/proc"))
+    r = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"the state dir {sd} is not writable" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    from restartkit.process.procfs import argv
+    new = [int(p) for p in set(os.listdir("/proc")) - before if p.isdigit()]
+    assert [p for p in new if "--prepare-only" in argv(int(p))] == []  # no standby left running
+    st = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
+    assert st["serving"] and st["pid"] == engine and st["standby"] is None
+
+
+def test_a_neighbour_on_the_port_at_promotion_is_named_and_the_standby_stays_armed(make_policy, sockdir, preloads,
+                                                                                 service_cleanup, tmp_path):
+    """The engine crashed and someone else took its port: the promotion is refused before it starts, naming
+    the neighbour, who is left alone; the standby stays armed and is promoted once the port is free."""
+    import subprocess
+    import sys
+    policy = policy_with_standby(make_policy, sockdir)
+    service_cleanup(policy)
+    start_preload(policy, preloads)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    assert run_cli("standby", "arm", "--policy", policy).returncode == 0
+    sb = standby(policy)["pid"]
+    engine = json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]
+    os.kill(engine, signal.SIGKILL)
+    wait_for(lambda: gone(engine))
+    port = port_of(policy)
+    neighbour = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    try:
+        wait_for(lambda: listeners(port) == [neighbour.pid])
+        r = run_cli("restart", "--policy", policy, "--json")
+        rec = json.loads(r.stdout)
+        assert r.returncode == 1 and rec["attempts"][0]["strategy"] == "standby", rec
+        assert f"port {port} is already in use by PID {neighbour.pid}" in rec["attempts"][0]["error"], rec
+        assert "stays armed" in rec["attempts"][0]["error"]
+        assert neighbour.poll() is None  # someone else's process is left alone
+        assert standby(policy)["pid"] == sb and standby(policy)["state"] == "prepared"
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+    r = run_cli("restart", "--policy", policy, "--json")
+    rec = json.loads(r.stdout)
+    assert r.returncode == 0 and rec["served_by"] == "standby" and rec["proof"]["canary_identical"] is True, rec
+    assert listeners(port) == [sb]

@@ -37,6 +37,14 @@ SERVING_COMMANDS = {"restart", "start", "wake", "snapshot restore", "snapshot cr
                     "sleep"}
 
 
+
+def meant_to_serve(stale: dict) -> bool:
+    """The interrupted command would have left the service serving: a serving command on a service that
+    served when it began, or supervise's restart of one that crashed (it did not serve, and was to)."""
+    command = str(stale.get("command", ""))
+    return command.startswith("supervise restart") or (command in SERVING_COMMANDS and stale.get("was_serving", True))
+
+
 def reconcile(service, say: Callable[[str], None], stopping: bool = False) -> dict | None:
     """Returns what was done, or None when there was nothing to reconcile.  `stopping`: a stop
     follows, which stops the recorded engine the usual way: nothing is adopted or started, the
@@ -75,7 +83,7 @@ def reconcile(service, say: Callable[[str], None], stopping: bool = False) -> di
         service.engine.pidfile.unlink(missing_ok=True)
     _discard_partial_images(stale, say)
     result = {"command": command, "adopted": adopted, "stopped": stopped, "started": None}
-    if adopted is None and not stopping and command in SERVING_COMMANDS and stale.get("was_serving", True):
+    if adopted is None and not stopping and meant_to_serve(stale):
         say(f"{service.policy.name}: nothing serves; recovering with a cold start")
         started = service.engine.start("cold")
         service.canary()

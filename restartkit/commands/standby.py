@@ -58,7 +58,11 @@ def arm(service) -> dict:
            "armed_at": time.time(), "version": service.adapter.version(), "code": code_digest(),
            "model_digest": _disk_digest(service.policy.service["model"]), "status_file": str(status),
            "kv_ahead": ahead, "kv_ahead_why": why}
-    write_json_atomic(path, rec)
+    try:
+        write_json_atomic(path, rec)
+    except OSError:
+        proc.stop(timeout_s=5)  # a standby no record names would be nobody's: never left running
+        raise
     return rec
 
 

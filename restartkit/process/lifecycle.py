@@ -131,7 +131,7 @@ class EngineLifecycle:
             return ", ".join(f"PID {p} ({comm(p)})" for p in pids)
         return "another process" if self.port_listening() or self._connects() else None
 
-    def _port_holder_after_grace(self, grace_s: float = 3.0) -> str | None:
+    def port_holder_after_grace(self, grace_s: float = 3.0) -> str | None:
         """The port's holder; a listener no process holds any more (a socket still closing
         as its killed owner exits) is given a moment to go."""
         holder = None
@@ -185,7 +185,7 @@ class EngineLifecycle:
             key = "draft_model" if problem.startswith(("draft_model", "the draft model")) else "model"
             raise EngineStartError(f"cannot start {self.policy.name}: {problem}",
                                    hint=f"fix [service] {key} in {self.policy.path}")
-        if holder := self._port_holder_after_grace():
+        if holder := self.port_holder_after_grace():
             s = self.policy.service
             raise EngineStartError(f"port {s['port']} is already in use by {holder}",
                                    hint=f"stop that process, or set another [service] port in {self.policy.path}")
