@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
 import socket
 import statistics
@@ -149,8 +150,12 @@ def run(pol: Path, port: int, kills: int, with_cache: bool, snapshot: bool = Fal
                                                          "rss_bytes": sb.get("rss_bytes"), "gpu_mib": gpu_mib(sb["pid"])})
             last = (json.loads(cli("history", "--policy", pol, "--last", "1", "--json").stdout)["records"] or [{}])[-1].get("id")
             pid = json.loads(cli("status", "--policy", pol, "--json").stdout)["pid"]
+            pidfd = os.pidfd_open(pid)
             t0 = time.monotonic()
             os.kill(pid, signal.SIGKILL)
+            select.select([pidfd], [], [], 30)  # its exit seen, as supervise sees it: after the kernel's teardown
+            exit_seen = time.monotonic() - t0
+            os.close(pidfd)
             while answers(port) and time.monotonic() - t0 < 5:  # the old one may answer an instant longer
                 time.sleep(0.01)
             while not answers(port):
@@ -160,6 +165,7 @@ def run(pol: Path, port: int, kills: int, with_cache: bool, snapshot: bool = Fal
                            or [{}])[-1]).get("id") == last:
                 time.sleep(0.2)
             out.append({"kill_to_answer_s": round(seen, 3), "served_by": rec["served_by"],
+                        "kill_to_exit_seen_s": round(exit_seen, 3),
                         "noticed_to_serving_s": (rec.get("trigger") or {}).get("noticed_to_serving_s"),
                         "noticed_to_start_s": (rec.get("trigger") or {}).get("noticed_to_start_s"),
                         "time_to_ready_s": rec.get("time_to_ready_s"),
@@ -261,7 +267,8 @@ backoff_max_s = 0.01
               f"{statistics.median(ns) if ns else 0:.2f} s; canary identical {all(r['canary_identical'] for r in runs)}; "
               f"reasons {sorted({r['reason'] for r in runs})}")
         for r in runs:  # each crash: noticed -> the restart's start (lock, reaping, facts, plan), its time to ready
-            print(f"    kill -> answering {r['kill_to_answer_s']:.2f} s: noticed -> restart start "
+            print(f"    kill -> answering {r['kill_to_answer_s']:.2f} s: kill -> its exit seen {r['kill_to_exit_seen_s']} s, "
+                  f"noticed -> restart start "
                   f"{r['noticed_to_start_s']} s, time to ready {r['time_to_ready_s']} s, noticed -> serving "
                   f"{r['noticed_to_serving_s']} s ({r['served_by']})")
         for sb in result.get("standby", [])[:1]:

@@ -188,8 +188,8 @@ def _prestart(service, old, out: Outcome) -> Outcome:
     return _took_over(service, new, "ipc-prestart", new_stats, out, t0)
 
 
-def _canary_at(service, base: str, first_only: bool = False) -> list[list[int]]:
+def _canary_at(service, base: str, first_only: bool = False, max_tokens: int | None = None) -> list[list[int]]:
     pol = service.policy
     prompts = pol.restart["canary_prompts"][:1] if first_only else pol.restart["canary_prompts"]
-    return [service.adapter.completion(pol, p, pol.restart["canary_max_tokens"], base=base)["choices"][0]["token_ids"]
-            for p in prompts]
+    n = max_tokens or pol.restart["canary_max_tokens"]
+    return [service.adapter.completion(pol, p, n, base=base)["choices"][0]["token_ids"] for p in prompts]

@@ -107,7 +107,10 @@ class StandbyStrategy(BaseStrategy):
         try:
             private, stats = _activate(service, new, status, out, old, pol.standby["promote_timeout_s"])
             phases["activate"] = round(time.monotonic() - t1, 4)
-            out.proof["new_engine_canary"] = _canary_at(service, private, first_only=not beside)
+            # beside the old engine, the whole canary before it takes the port; else nothing serves meanwhile: one
+            # token shows it computes, and the whole canary is compared once it serves (the restart's proof)
+            out.proof["new_engine_canary"] = (_canary_at(service, private) if beside
+                                              else _canary_at(service, private, first_only=True, max_tokens=1))
             os.kill(new.pid, signal.SIGUSR2)
             _wait_state(status, new, "ready", pol.standby["promote_timeout_s"])
         except Exception as e:
