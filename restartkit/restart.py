@@ -210,7 +210,8 @@ def _verify(service: Service, outcome: Outcome, baseline, reason: str) -> None:
         return
     finally:
         outcome.detail["verify_s"] = round(time.monotonic() - t0, 4)
-    canary = {"after": after}
+    from restartkit.engines.base import canary_kind
+    canary = {"after": after, "compared_by": canary_kind(after)}
     if baseline is None:
         canary["canary_identical"] = None
         canary["note"] = "no baseline to compare with; this canary is the baseline from now on"

@@ -37,12 +37,14 @@ class EngineAdapter:
         return f"http://{host}:{policy.service['port']}"
 
     # ---- proof -----------------------------------------------------------
-    completion_extra: dict = {}  # more request fields this engine's completions ask for
+    completion_extra: dict = {"return_token_ids": True}  # more request fields this engine's completions ask for
 
-    def completion(self, policy, prompt, max_tokens: int, timeout: float = 60.0, base: str | None = None) -> dict:
-        """A greedy completion from the engine at `base` (default: the service's own URL)."""
+    def completion(self, policy, prompt, max_tokens: int, timeout: float = 60.0, base: str | None = None,
+                   extra: dict | None = None) -> dict:
+        """A greedy completion from the engine at `base` (default: the service's own URL); `extra`: the
+        fields beyond the standard ones (default: completion_extra)."""
         body = {"model": self.served_name(policy), "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0.0, "return_token_ids": True, **self.completion_extra}
+                "temperature": 0.0, **(self.completion_extra if extra is None else extra)}
         return http.post((base or self.base_url(policy)) + "/v1/completions", body, timeout=timeout)
 
     def probe(self, policy, timeout: float = 30.0) -> None:
@@ -58,7 +60,7 @@ class EngineAdapter:
         http.get(self.base_url(policy) + self.health_path, timeout=timeout)
 
     def canary(self, policy) -> list[list[int]]:
-        """Greedy completions of the policy's fixed prompts, as token ids."""
+        """Greedy completions of the policy's fixed prompts, as token ids (see canary_kind)."""
         r = policy.restart
         result = []
         for prompt in r["canary_prompts"]:
@@ -146,6 +148,14 @@ class EngineAdapter:
     def sleep_state(self, policy, pid: int | None) -> dict:
         """{"enabled": bool, "asleep": bool | None, "level": int | None, "why": str} of the running engine."""
         return {"enabled": False, "asleep": None, "level": None, "why": f"the {self.name} adapter has no sleep mode"}
+
+
+def canary_kind(canary) -> str:
+    """What a canary compares: "token ids", "logprob tokens" (a server that gives no ids) or "text"."""
+    first = next((t for prompt in canary or [] for t in prompt), None)
+    if isinstance(first, str) and first.startswith("text:"):
+        return "text"
+    return "logprob tokens" if isinstance(first, str) else "token ids"
 
 
 def python() -> str:

@@ -3,8 +3,9 @@ and `command = ["my-server", "--model", "{model}", "--port", "{port}"]`.
 
 Placeholders: {model}, {host}, {port}, {max_model_len}, {tensor_parallel_size},
 {served_model_name}.  restartkit knows nothing else of the engine: readiness is a
-real completion, the canary compares token ids when the server returns them,
-else the tokens of its logprobs, else the text (the record says which), and of
+real completion with the standard fields only (a strict server refuses others), the canary
+compares token ids when the server returns them, else the tokens of its logprobs, else the
+text (the record says which: proof.canary.compared_by), and of
 the fast paths only criu applies (it snapshots any process tree).
 """
 from __future__ import annotations
@@ -17,9 +18,14 @@ from restartkit.engines.base import EngineAdapter, LaunchSpec
 PLACEHOLDERS = ("model", "host", "port", "max_model_len", "tensor_parallel_size", "served_model_name")
 
 
+# what the canary asks for, richest first: a server that refuses a field (400, 422) is asked without it
+CANARY_FORMS = ({"return_token_ids": True, "logprobs": 1}, {"logprobs": 1}, {})
+
+
 class CommandAdapter(EngineAdapter):
     name = "command"
-    completion_extra = {"logprobs": 1}  # logprob tokens: the canary's fallback when no token ids come back
+    completion_extra = {}  # the readiness probe: the standard fields only, which a strict server accepts
+    _form: dict | None = None  # the first of CANARY_FORMS this server accepted
 
     def _values(self, policy) -> dict:
         s = policy.service
@@ -61,8 +67,22 @@ class CommandAdapter(EngineAdapter):
 
     def canary(self, policy) -> list[list]:
         r = policy.restart
-        return [canary_tokens(self.completion(policy, p, r["canary_max_tokens"])["choices"][0])
+        return [canary_tokens(self._canary_completion(policy, p, r["canary_max_tokens"])["choices"][0])
                 for p in r["canary_prompts"]]
+
+    def _canary_completion(self, policy, prompt, max_tokens: int) -> dict:
+        from restartkit.http import HTTPFailure
+        forms = [self._form] if self._form is not None else list(CANARY_FORMS)
+        for i, form in enumerate(forms):
+            try:
+                out = self.completion(policy, prompt, max_tokens, extra=form)
+            except HTTPFailure as e:
+                if e.status in (400, 422) and i + 1 < len(forms):
+                    continue  # a field it does not take (a vLLM extension, logprobs): ask with less
+                raise
+            self._form = form
+            return out
+        raise AssertionError("unreachable")
 
 
 def canary_tokens(choice: dict) -> list:

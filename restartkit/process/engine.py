@@ -17,6 +17,7 @@ from typing import Callable
 import tenacity
 
 from restartkit.errors import EngineStartError
+from restartkit.http import HTTPFailure
 from restartkit.files import log_tail
 from restartkit.process.procfs import reap
 from restartkit.process.seam import Seam, safe_point
@@ -25,6 +26,20 @@ from restartkit.process.states import ALLOWED, ProcState
 
 class NotReady(Exception):
     pass
+
+
+class ProbeRefused(Exception):
+    """The engine answered the readiness probe with a 4xx: it will not become ready by waiting."""
+
+    def __init__(self, failure: HTTPFailure):
+        super().__init__(str(failure))
+        self.failure = failure
+
+
+def refused(e: Exception) -> bool:
+    """A 4xx to the readiness probe (not one that means "later": 408, 409, 425, 429)."""
+    return isinstance(e, HTTPFailure) and e.status is not None and 400 <= e.status < 500 and e.status not in (
+        408, 409, 425, 429)
 
 
 class ExitedEarly(Exception):
@@ -79,11 +94,12 @@ class EngineProcess:
     def wait_ready(self, probe: Callable[[], None], timeout_s: float, interval_s: float = 0.05,
                    signal_interval_s: float = 1.0, progress: Callable[[str], None] | None = None,
                    every_s: float = 15.0) -> float:
-        """Probe until it passes; returns seconds waited.  Raises
-        EngineStartError (state FATAL) when the process exits or the deadline passes.
-        With a ready signal (ready_fd), probe when it comes (or every signal_interval_s,
-        in case it never does) instead of every interval_s: no polling lag, and no
-        stream of probes answered by an engine that is busy starting."""
+        """Probe until it passes; returns seconds waited.  Raises EngineStartError (state FATAL)
+        when the process exits, the deadline passes or the probe is refused (a 4xx: at once).
+        With a ready signal (ready_fd), probe when it comes (or every signal_interval_s, in case
+        it never does) instead of every interval_s: no polling lag, and no stream of probes
+        answered by an engine that is busy starting."""
+        # long: one retry loop and the three ways it ends, each with its own error
         t0 = self.seam.clock()
         told = [t0]
 
@@ -97,6 +113,8 @@ class EngineProcess:
             try:
                 probe()
             except Exception as e:
+                if refused(e):
+                    raise ProbeRefused(e) from None  # it answers, and says no: waiting will not change that
                 if self.state is ProcState.STARTING:
                     self.to(ProcState.BACKOFF)
                 raise NotReady(str(e)) from e
@@ -121,6 +139,9 @@ class EngineProcess:
                 f"the engine (PID {self.pid}) {describe_exit(rc)} while starting",
                 hint=_start_hint(rc, log_tail(self.log_path)) + (f"; log: {self.log_path}" if self.log_path else ""),
                 log_tail=log_tail(self.log_path)) from None
+        except ProbeRefused as e:
+            self.to(ProcState.FATAL)
+            raise self._refused_error(e.failure) from None
         except NotReady as e:
             self.to(ProcState.FATAL)
             raise EngineStartError(
@@ -133,6 +154,13 @@ class EngineProcess:
             self.to(ProcState.STARTING)
         self.to(ProcState.READY)
         return self.seam.clock() - t0
+
+    def _refused_error(self, failure: HTTPFailure) -> EngineStartError:
+        return EngineStartError(
+            f"the engine (PID {self.pid}) refused restartkit's readiness probe: HTTP {failure.status}: {failure.message}",
+            hint="the probe is a one-token greedy /v1/completions with model, prompt, max_tokens and temperature only: "
+                 "check the model name the server expects ([service] served_model_name) and its flags; see the log: "
+                 f"{self.log_path}", log_tail=log_tail(self.log_path))
 
     def _wait_signal(self, seconds: float) -> None:
         """Sleep until the engine's ready byte arrives, or `seconds`."""

@@ -2,8 +2,11 @@
 
   GET  /health            200 only after a real forward pass ran; 503 before
   GET  /v1/models
-  POST /v1/completions    text or token-id prompt, max_tokens, temperature,
-                          seed, logprobs; each choice also carries token_ids
+  POST /v1/completions    text or token-id prompt (or a list of them), max_tokens, temperature, seed,
+                          n, stop, logprobs (0..5), echo, stream; each choice also carries token_ids
+  POST /v1/chat/completions   messages through the tokenizer's chat template; logprobs, top_logprobs,
+                          max_completion_tokens, n, stop, stream.  Any other field is a 400 naming it
+                          (restartkit.reference.completions); a 503 says Retry-After
   GET  /admin/stats       init phases and their times, load source, memory
   POST /admin/drop_kv_cache   free the KV cache (before a snapshot)
   POST /admin/restore_kv_cache
@@ -17,13 +20,18 @@ import json
 import os
 import threading
 import time
-import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 from restartkit.reference.log import log
 
 MAX_BODY = 1 << 20
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """A text prompt's token ids with the special tokens the tokenizer itself adds (its post-processor:
+    BOS for Llama 3's, nothing for one without), as transformers encodes it."""
+    return tokenizer.encode(prompt).ids
 
 
 class EngineServer(ThreadingHTTPServer):
@@ -56,6 +64,8 @@ class State:
         self.requests = 0
         self.inflight = 0  # requests between being read and their answer written
         self.inflight_lock = threading.Lock()
+        self.chat_template: str | None = None  # the tokenizer's, if it has one
+        self.special_tokens: dict = {}
         self.sleeper = None  # set when the engine runs with --enable-sleep-mode
         self.prepared_mode = False
         self.sleep_public = False
@@ -81,11 +91,26 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if code == 503:  # loading, asleep, its KV cache dropped for a snapshot: back in a moment
+            self.send_header("Retry-After", "1")
         self.end_headers()
         self.wfile.write(data)
 
-    def _error(self, code: int, message: str, kind: str = "invalid_request_error") -> None:
-        self._send(code, {"error": {"message": message, "type": kind, "code": code}})
+    def _error(self, code: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> None:
+        self._send(code, {"error": {"message": message, "type": kind, "param": param, "code": code}})
+
+    # ---- server-sent events (stream: true) ----------------------------------------
+    def _events_begin(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")  # the stream ends when the connection does
+        self.end_headers()
+        self.close_connection = True
+
+    def _event(self, obj) -> None:
+        self.wfile.write(b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n")
+        self.wfile.flush()
 
     def _body(self) -> dict | None:
         length = int(self.headers.get("Content-Length") or 0)
@@ -157,7 +182,9 @@ class Handler(BaseHTTPRequestHandler):
             return
         try:
             if path == "/v1/completions":
-                self._completions(body)
+                self._complete(body, chat=False)
+            elif path == "/v1/chat/completions":
+                self._complete(body, chat=True)
             elif path in ("/sleep", "/wake_up"):
                 self._sleep_or_wake(path, query)
             elif path.startswith("/admin/") and not self._local_only():
@@ -282,61 +309,116 @@ class Handler(BaseHTTPRequestHandler):
         freed = eng.drop_kv_cache()
         self._send(200, {"freed_bytes": freed})
 
-    def _completions(self, body: dict) -> None:
+    def _complete(self, body: dict, chat: bool) -> None:
+        """/v1/completions and /v1/chat/completions, streamed (server-sent events ending in [DONE]) or not;
+        n choices per prompt, stop strings, logprobs, echo (restartkit.reference.completions)."""
+        from restartkit.reference.completions import BadRequest, read_chat, read_completion
+        from restartkit.reference.engine import EngineNotReady
         st = self.server.state
-        if st.sleeper is not None and st.sleeper.asleep:
-            self._error(503, f"the engine is asleep (level {st.sleeper.level}): POST /wake_up first", "unavailable")
-            return
-        if not st.ready:
-            self._error(503, "the engine is not ready (loading, or its KV cache was dropped)", "unavailable")
+        if not self._serving():
             return
         t0 = time.perf_counter()
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # the OpenAI client wraps a single prompt in a list
-        if isinstance(prompt, str):
-            ids = [st.engine.config.bos_token_id] + st.tokenizer.encode(prompt, add_special_tokens=False).ids
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            ids = prompt
-        else:
-            self._error(400, "prompt must be a string or a list of token ids")
-            return
         try:
-            max_tokens = int(body.get("max_tokens", 16))
-            temperature = float(body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0)
-            seed = body.get("seed")
-            seed = int(seed) if seed is not None else None
-            logprobs = body.get("logprobs")
-        except (TypeError, ValueError) as e:
-            self._error(400, f"bad parameter: {e}")
+            ask = (read_chat(body, st.tokenizer, st.chat_template, st.special_tokens) if chat
+                   else read_completion(body, st.tokenizer, encode_prompt))
+        except BadRequest as e:
+            self._error(400, str(e), param=e.param)
             return
-        if max_tokens < 1:
-            self._error(400, "max_tokens must be at least 1")
-            return
-        from restartkit.reference.engine import EngineNotReady
+        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        if ask.stream:
+            self._events_begin()
+            if chat:  # the assistant's turn opens
+                self._event(self._chunk(ask, 0, {"role": "assistant", "content": ""}, None))
         try:
-            comp = st.engine.generate(ids, max_tokens, temperature, seed, want_logprobs=logprobs is not None and logprobs is not False)
+            choices = self._choices(ask, usage)
         except EngineNotReady as e:  # it went to sleep (or dropped its cache) after the check above
+            if ask.stream:
+                return  # the stream ends without [DONE]: the client sees it cut
             self._error(503, f"the engine is not ready: {e}", "unavailable")
             return
         except ValueError as e:
+            if ask.stream:
+                self._event({"error": {"message": str(e), "type": "invalid_request_error", "code": 400}})
+                return
             self._error(400, str(e))
             return
+        except OSError:  # the client went away mid-stream
+            return
         st.requests += 1
-        text = st.tokenizer.decode(comp.tokens, skip_special_tokens=True)
-        choice = {"index": 0, "text": text, "finish_reason": comp.finish_reason,
-                  "token_ids": comp.tokens, "prompt_token_ids": comp.prompt_tokens, "logprobs": None}
-        if comp.logprobs is not None:
-            choice["logprobs"] = {
-                "tokens": [st.tokenizer.id_to_token(t) or "" for t in comp.tokens],
-                "token_logprobs": comp.logprobs, "top_logprobs": None,
-                "text_offset": [0] * len(comp.tokens),
-            }
-        self._send(200, {
-            "id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
-            "model": st.model_name, "choices": [choice], "system_fingerprint": f"restartkit-ref-{os.getpid()}",
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(comp.tokens),
-                      "total_tokens": len(ids) + len(comp.tokens)},
-        })
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        if ask.stream:
+            if ask.include_usage:
+                self._event({**self._head(ask), "choices": [], "usage": usage})
+            self._event(b"[DONE]")
+        else:
+            self._send(200, {**self._head(ask), "choices": choices, "usage": usage,
+                             "system_fingerprint": f"restartkit-ref-{os.getpid()}"})
         if "first_request" not in st.phases:  # after a restart, restartkit's readiness probe
             st.phases["first_request"] = round(time.perf_counter() - t0, 4)
+
+    def _choices(self, ask, usage: dict) -> list[dict]:
+        """n choices for each prompt, each streamed as its tokens come when asked; the choices (not streamed)."""
+        from restartkit.reference.completions import TextSoFar
+        st, chat, choices = self.server.state, ask.chat, []
+        for pi, ids in enumerate(ask.prompts):
+            usage["prompt_tokens"] += len(ids)
+            for j in range(ask.n):
+                index = pi * ask.n + j
+                send = (lambda text, i=index: self._event(self._chunk(ask, i, text, None))) if ask.stream else None
+                if ask.stream and ask.echo:
+                    self._event(self._chunk(ask, index, ask.prompt_texts[pi], None))
+                so_far = TextSoFar(st.tokenizer, ask.stop, send)
+                max_tokens = ask.max_tokens or max(1, st.engine.options.max_model_len - len(ids))
+                # choice j of n samples with its own seed (greedy choices are alike whatever the seed)
+                seed = ask.seed + j if ask.seed is not None else None if j == 0 else st.engine.options.seed + j
+                comp = st.engine.generate(ids, max_tokens, ask.temperature, seed, want_logprobs=ask.want_logprobs,
+                                          top_logprobs=ask.top_logprobs, on_token=so_far)
+                text = so_far.finish(comp.tokens)
+                finish = "stop" if so_far.stopped else comp.finish_reason
+                usage["completion_tokens"] += len(comp.tokens)
+                if ask.stream:
+                    self._event(self._chunk(ask, index, {} if chat else "", finish,
+                                            self._logprobs(ask, comp) if ask.want_logprobs else None))
+                else:
+                    choices.append(self._choice(ask, index, (ask.prompt_texts[pi] if ask.echo else "") + text,
+                                                finish, comp))
+        return choices
+
+    def _head(self, ask, chunk: bool = False) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if ask.chat else "text_completion"
+        return {"id": f"{'chatcmpl' if ask.chat else 'cmpl'}-{ask.id}", "object": kind, "created": ask.created,
+                "model": self.server.state.model_name}
+
+    def _chunk(self, ask, index: int, piece, finish, logprobs=None) -> dict:
+        if ask.chat:
+            delta = piece if isinstance(piece, dict) else {"content": piece}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": piece, "logprobs": logprobs, "finish_reason": finish}
+        return {**self._head(ask, chunk=True), "choices": [choice]}
+
+    def _choice(self, ask, index: int, text: str, finish: str, comp) -> dict:
+        logprobs = self._logprobs(ask, comp) if ask.want_logprobs else None
+        if ask.chat:
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                    "finish_reason": finish, "token_ids": comp.tokens}
+        return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs,
+                "token_ids": comp.tokens, "prompt_token_ids": comp.prompt_tokens}
+
+    def _logprobs(self, ask, comp) -> dict:
+        tok = self.server.state.tokenizer
+        names = [tok.id_to_token(t) or "" for t in comp.tokens]
+        tops = comp.top_logprobs or [None] * len(comp.tokens)
+        if ask.chat:
+            def entry(t, lp):
+                piece = tok.decode([t], skip_special_tokens=False)
+                return {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in (top or {}).items()]}
+                                for t, lp, top in zip(comp.tokens, comp.logprobs, tops)]}
+        offsets, at = [], 0
+        for t in comp.tokens:
+            offsets.append(at)
+            at += len(tok.decode([t], skip_special_tokens=True))
+        return {"tokens": names, "token_logprobs": comp.logprobs,
+                "top_logprobs": [{tok.id_to_token(i) or "": v for i, v in top.items()} for top in tops]
+                if comp.top_logprobs else None, "text_offset": offsets}

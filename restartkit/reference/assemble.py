@@ -127,6 +127,8 @@ def _load(args, state: State, outcome: dict, gate=None) -> None:
         engine = _make_engine(args)
         t0 = time.perf_counter()
         state.tokenizer = Tokenizer.from_file(os.path.join(args.model, "tokenizer.json"))
+        from restartkit.reference.completions import chat_template
+        state.chat_template, state.special_tokens = chat_template(args.model)
         state.phases["tokenizer"] = round(time.perf_counter() - t0, 4)
         _start_engine(engine, args, gate)
     except Exception as e:

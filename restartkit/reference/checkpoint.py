@@ -207,7 +207,7 @@ def bytes_to_unicode() -> dict[int, str]:
 
 def write_tokenizer(out: Path, cfg: ModelConfig) -> None:
     """A byte-level tokenizer: byte b is token b, then the special tokens."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     alphabet = bytes_to_unicode()
     vocab = {alphabet[b]: b for b in range(256)}
@@ -217,6 +217,9 @@ def write_tokenizer(out: Path, cfg: ModelConfig) -> None:
     # Ids past the specials (the embedding is larger, as in Llama 3) decode to "".
     tok.add_special_tokens([AddedToken(BOS, special=True), AddedToken(EOS, special=True)])
     assert tok.token_to_id(BOS) == cfg.bos_token_id and tok.token_to_id(EOS) == cfg.eos_token_id
+    # BOS first, as Llama 3's tokenizer does: an engine (or transformers) encoding with special tokens adds it
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
+                                                       special_tokens=[(BOS, cfg.bos_token_id)])
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": BOS, "eos_token": EOS, "model_max_length": cfg.max_position_embeddings,

@@ -8,11 +8,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from restartkit.reference.checkpoint import DTYPES
-from restartkit.reference.model import LlamaForCausalLM, ModelConfig, Parallel, check_parallel
+from restartkit.reference.model import LlamaForCausalLM, ModelConfig, Parallel, UnsupportedConfig, check_parallel
 from restartkit.reference.weights import build_model, processed_weights
 
 
@@ -37,6 +38,11 @@ class Completion:
     tokens: list[int]
     logprobs: list[float] | None
     finish_reason: str
+    top_logprobs: list[dict[int, float]] | None = None  # per token: the k likeliest ids and their logprobs
+
+
+# called with each new token id as it is chosen; True: stop here (a stop string was met)
+OnToken = Callable[[int], bool] | None
 
 
 class EngineNotReady(RuntimeError):
@@ -44,6 +50,17 @@ class EngineNotReady(RuntimeError):
 
 
 CMD_EXIT, CMD_GENERATE, CMD_DROP_KV, CMD_RESTORE_KV = 0, 1, 2, 3
+
+
+def _note_logprobs(logits32: torch.Tensor, chosen: int, lps: list | None, tops: list | None, k: int) -> None:
+    if lps is None and tops is None:
+        return
+    logp = torch.log_softmax(logits32, dim=-1)
+    if lps is not None:
+        lps.append(float(logp[chosen]))
+    if tops is not None:
+        vals, ids = torch.topk(logp, min(k, logp.shape[-1]))
+        tops.append({int(i): float(v) for i, v in zip(ids, vals)})
 
 
 @dataclass
@@ -99,6 +116,11 @@ class Engine:
         if self.device.type == "cuda":
             self._timed("cuda_init", lambda: torch.cuda.set_device(self.device))
         self.config = ModelConfig.load(self.options.model)
+        if self.config.rope_type == "dynamic" and self.options.max_model_len > self.config.max_position_embeddings:
+            raise UnsupportedConfig(
+                f"config.json rope_type 'dynamic' past max_position_embeddings ({self.config.max_position_embeddings}):"
+                f" max_model_len {self.options.max_model_len} would need the rope recomputed per length, which the "
+                "reference engine does not do; lower max_model_len to max_position_embeddings")
         if problem := check_parallel(self.config, self.par):
             raise ValueError(problem)
         if self.options.tp_size > 1 and getattr(self, "_control", None) is None:  # a draft shares its model's
@@ -171,7 +193,10 @@ class Engine:
         model = self.build_on_meta()
         params = dict(model.named_parameters())
         seen = set()
+        tied = self.config.tie_word_embeddings
         for name, tensor in named_tensors:
+            if tied and name == "lm_head.weight":
+                continue  # tied: the output projection is the embedding, as transformers loads it
             if name not in params:
                 raise ValueError(f"tensor {name} has no place in the model")
             if tuple(tensor.shape) != tuple(params[name].shape) or tensor.dtype != params[name].dtype:
@@ -179,6 +204,9 @@ class Engine:
                                  f"{tuple(params[name].shape)} {params[name].dtype}")
             set_tensor(model, name, tensor)
             seen.add(name)
+        if tied and "model.embed_tokens.weight" in seen:
+            model.tie()
+            seen.add("lm_head.weight")
         missing = set(params) - seen
         if missing:
             raise ValueError(f"{len(missing)} tensors are missing, e.g. {sorted(missing)[0]}")
@@ -199,12 +227,16 @@ class Engine:
 
     # ---- generation -----------------------------------------------------------
     def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0,
-                 seed: int | None = None, want_logprobs: bool = False) -> Completion:
+                 seed: int | None = None, want_logprobs: bool = False, top_logprobs: int = 0,
+                 on_token: OnToken = None) -> Completion:
+        """`top_logprobs`: the k likeliest tokens at each step too; `on_token`: each token as it is chosen
+        (streaming, stop strings).  With tensor parallelism every rank runs the same steps, so a stop asked
+        by `on_token` ends the completion's tokens but not its steps (the caller cuts the text)."""
         with self.lock:
             self._validate(prompt, max_tokens)
             if self.options.tp_size > 1:
                 self._broadcast(CMD_GENERATE, prompt, max_tokens, temperature, seed, want_logprobs)
-            return self._generate_locked(prompt, max_tokens, temperature, seed, want_logprobs)
+            return self._generate_locked(prompt, max_tokens, temperature, seed, want_logprobs, top_logprobs, on_token)
 
     # ---- tensor parallel: rank 0 tells the others what to run -------------------
     def _broadcast(self, cmd: int, prompt=(), max_tokens=0, temperature=0.0, seed=None, want_logprobs=False):
@@ -258,13 +290,15 @@ class Engine:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
 
     @torch.inference_mode()
-    def _generate_locked(self, prompt, max_tokens, temperature, seed, want_logprobs) -> Completion:
+    def _generate_locked(self, prompt, max_tokens, temperature, seed, want_logprobs, top_logprobs=0,
+                         on_token: OnToken = None) -> Completion:
         if self.draft is not None and not (temperature and temperature > 0):
-            return self._speculate_locked(prompt, max_tokens, want_logprobs)
-        dev = self.device
+            return self._speculate_locked(prompt, max_tokens, want_logprobs, top_logprobs, on_token)
+        dev, eos = self.device, self.config.eos_token_ids
         gen = torch.Generator().manual_seed(seed if seed is not None else self.options.seed)
         logits = self.model(torch.tensor(prompt, device=dev), torch.arange(len(prompt)).to(dev))[-1]
-        out, lps, finish = [], [] if want_logprobs else None, "length"
+        out, lps, tops = [], [] if want_logprobs else None, [] if top_logprobs else None
+        finish, stopped, lockstep = "length", False, self.options.tp_size > 1
         pos = len(prompt)
         for step in range(max_tokens):
             logits32 = logits.float().cpu()
@@ -273,36 +307,42 @@ class Engine:
                 nxt = int(torch.multinomial(probs, 1, generator=gen))
             else:
                 nxt = int(torch.argmax(logits32))
-            if lps is not None:
-                lps.append(float(torch.log_softmax(logits32, dim=-1)[nxt]))
-            out.append(nxt)
-            if nxt == self.config.eos_token_id:
+            if not stopped:
+                _note_logprobs(logits32, nxt, lps, tops, top_logprobs)
+                out.append(nxt)
+            if nxt in eos:  # every rank ends here, as every rank chose the same token
                 finish = "stop"
                 break
+            if not stopped and on_token is not None and on_token(nxt):
+                finish, stopped = "stop", True
+                if not lockstep:  # the other ranks take the steps to the end: so does this one, silently
+                    break
             if step + 1 < max_tokens:
                 logits = self._decode(nxt, pos)
                 pos += 1
-        return Completion(list(prompt), out, lps, finish)
+        return Completion(list(prompt), out, lps, finish, tops)
 
     @torch.inference_mode()
-    def _speculate_locked(self, prompt, max_tokens, want_logprobs) -> Completion:
+    def _speculate_locked(self, prompt, max_tokens, want_logprobs, top_logprobs=0, on_token: OnToken = None) -> Completion:
         """Greedy decoding with the draft proposing up to spec_tokens tokens a round, which this
         model checks in one forward pass: every token emitted is this model's own greedy choice
         (the draft only decides how many come out of one pass)."""
-        dev, draft, eos = self.device, self.draft, self.config.eos_token_id
-        seq, out, lps = list(prompt), [], [] if want_logprobs else None
+        dev, draft, eos = self.device, self.draft, self.config.eos_token_ids
+        seq, out, lps, tops = list(prompt), [], [] if want_logprobs else None, [] if top_logprobs else None
+        stop = []
 
         def take(row: torch.Tensor) -> int:  # this model's greedy choice from one row of logits
             row32 = row.float().cpu()
             nxt = int(torch.argmax(row32))
-            if lps is not None:
-                lps.append(float(torch.log_softmax(row32, dim=-1)[nxt]))
+            _note_logprobs(row32, nxt, lps, tops, top_logprobs)
             out.append(nxt)
             seq.append(nxt)
+            if on_token is not None and nxt not in eos and on_token(nxt):
+                stop.append(True)
             return nxt
 
         def done() -> bool:
-            return len(out) >= max_tokens or out[-1] == eos
+            return len(out) >= max_tokens or out[-1] in eos or bool(stop)
 
         take(self.model(torch.tensor(prompt, device=dev), torch.arange(len(prompt)).to(dev))[-1])
         drafted = 0  # how much of seq the draft's KV cache holds
@@ -326,7 +366,7 @@ class Engine:
             self.spec_counts["rounds"] += 1
             self.spec_counts["proposed"] += k
             self.spec_counts["accepted"] += j
-        return Completion(list(prompt), out, lps, "stop" if out[-1] == eos else "length")
+        return Completion(list(prompt), out, lps, "stop" if out[-1] in eos or stop else "length", tops)
 
     def _decode(self, token: int, pos: int) -> torch.Tensor:
         if self._graph is not None:

@@ -29,6 +29,16 @@ def model_dir_ok(path: str) -> str | None:
         return f"{path} has no config.json: not a Hugging Face checkpoint directory"
     if not any(p.glob("*.safetensors")):
         return f"{path} has no *.safetensors files"
+    if not (p / "tokenizer.json").exists():
+        return f"{path} has no tokenizer.json (the reference engine reads a tokenizers-format tokenizer)"
+    import json
+    from restartkit.reference.hfconfig import ModelConfig
+    try:
+        ModelConfig.from_hf(json.loads((p / "config.json").read_text()))
+    except ValueError as e:  # UnsupportedConfig names the key; a broken JSON file says where
+        return f"{path}: {e}"
+    except (TypeError, KeyError) as e:
+        return f"{path}/config.json is not a Llama config the reference engine can read: {type(e).__name__}: {e}"
     return None
 
 

@@ -18,72 +18,14 @@ measures each choice.
 """
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass
-class ModelConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    max_position_embeddings: int = 2048
-    rope_theta: float = 500000.0
-    rms_norm_eps: float = 1e-5
-    num_local_experts: int = 0
-    num_experts_per_tok: int = 2
-    tie_word_embeddings: bool = False
-    torch_dtype: str = "bfloat16"
-    bos_token_id: int = 256
-    eos_token_id: int = 257
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_local_experts > 0
-
-    def to_hf(self) -> dict:
-        """The config.json of a Hugging Face Llama (or Mixtral, with experts)."""
-        out = {k: v for k, v in asdict(self).items() if k not in ("extra", "num_local_experts", "num_experts_per_tok")}
-        out.update(
-            architectures=["MixtralForCausalLM" if self.is_moe else "LlamaForCausalLM"],
-            model_type="mixtral" if self.is_moe else "llama",
-            hidden_act="silu",
-            attention_bias=False,
-            mlp_bias=False,
-            head_dim=self.head_dim,
-            initializer_range=0.02,
-            rope_scaling=None,
-            use_cache=True,
-        )
-        if self.is_moe:
-            out.update(num_local_experts=self.num_local_experts, num_experts_per_tok=self.num_experts_per_tok)
-        out.update(self.extra)
-        return out
-
-    @classmethod
-    def from_hf(cls, data: dict) -> "ModelConfig":
-        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
-        kwargs = {k: data[k] for k in known if k in data}
-        return cls(**kwargs)
-
-    @classmethod
-    def load(cls, model_dir: str | Path) -> "ModelConfig":
-        path = Path(model_dir) / "config.json"
-        return cls.from_hf(json.loads(path.read_text()))
+from restartkit.reference.hfconfig import ModelConfig, UnsupportedConfig  # noqa: F401 (the model's config)
 
 
 @dataclass(frozen=True)
@@ -155,17 +97,63 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
+def inv_frequencies(head_dim: int, theta: float, rope: dict | None = None) -> tuple[torch.Tensor, float]:
+    """The rotary inverse frequencies [head_dim/2] in float32 and the factor on cos and sin, as
+    transformers computes them for each rope type (ModelConfig.rope)."""
+    rope = rope or {}
+    kind = rope.get("rope_type", "default")
+    dims = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv = 1.0 / (theta ** dims)
+    if kind in ("default", "dynamic"):
+        return inv, 1.0
+    factor = rope["factor"]
+    if kind == "linear":
+        return inv / factor, 1.0
+    if kind == "llama3":
+        old = rope["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old / rope["low_freq_factor"], old / rope["high_freq_factor"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old / wavelen - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+        scaling = rope.get("attention_factor")
+        if scaling is None:
+            m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+            scaling = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+        fast, slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+        orig = rope["original_max_position_embeddings"]
+
+        def correction_dim(rotations):
+            return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        low, high = correction_dim(fast), correction_dim(slow)
+        if rope.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrapolate = 1 - ramp
+        pos = theta ** dims
+        return (1.0 / (factor * pos)) * (1 - extrapolate) + (1.0 / pos) * extrapolate, float(scaling)
+    raise UnsupportedConfig(f"rope_type {kind!r} is not implemented")
+
+
 def rope_tables(head_dim: int, max_len: int, theta: float, dtype: torch.dtype,
-                device) -> tuple[torch.Tensor, torch.Tensor]:
+                device, rope: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every position, [max_len, head_dim] in `dtype`, computed on the host.
     The first half of sin is negated, so that rotating half of x needs no negation:
     (-x2) * s == x2 * (-s) exactly, the same values as the "rotate half" form."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    inv_freq, scaling = inv_frequencies(head_dim, theta, rope)
     freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    sin = emb.sin()
+    cos, sin = emb.cos() * scaling, emb.sin() * scaling
     sin[:, : head_dim // 2].neg_()
-    return emb.cos().to(dtype).to(device), sin.to(dtype).to(device)
+    return cos.to(dtype).to(device), sin.to(dtype).to(device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -299,6 +287,12 @@ class LlamaForCausalLM(nn.Module):
         self.max_len = 0
         self._cos = self._sin = self._key_pos = None
 
+    def tie(self) -> None:
+        """tie_word_embeddings: the output projection is the embedding (one tensor); again after each
+        time the embedding is replaced (a load, a sleep, a wake)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
     # ---- KV cache -------------------------------------------------------
     def allocate_kv_cache(self, max_len: int) -> int:
         """Allocate the static KV cache; returns its size in bytes."""
@@ -308,7 +302,7 @@ class LlamaForCausalLM(nn.Module):
         self.cache_k = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
         self.cache_v = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
         self.max_len = max_len
-        self._cos, self._sin = rope_tables(cfg.head_dim, max_len, cfg.rope_theta, ref.dtype, ref.device)
+        self._cos, self._sin = rope_tables(cfg.head_dim, max_len, cfg.rope_theta, ref.dtype, ref.device, cfg.rope)
         self._key_pos = torch.arange(max_len).to(ref.device)
         return 2 * self.cache_k.numel() * self.cache_k.element_size()
 

@@ -51,6 +51,7 @@ class Sleeper:
             self.parked = self._park(params)
         for name, p in params:
             _set(eng.model, name, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+        eng.model.tie()  # a tied output projection goes with the embedding
         del params, p  # the last references: without this nothing is freed below
         if eng.device.type == "cuda":
             torch.cuda.synchronize()
@@ -119,6 +120,7 @@ class Sleeper:
             os.close(src)
         for e in manifest:
             _set(eng.model, e["name"], view_of(dev, e))
+        eng.model.tie()
         self.parked = None
         return total
 

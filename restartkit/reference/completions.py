@@ -1,0 +1,269 @@
+"""The OpenAI API as clients use it, on the reference engine: a request's fields read and checked
+(each one honoured or refused with a 400 naming it, never ignored), chat messages rendered with
+the tokenizer's own chat template, and text produced token by token for streaming and stop strings.
+HTTP itself (JSON answers, server-sent events) is api.py's."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class BadRequest(ValueError):
+    """A 400 naming the field at fault (OpenAI's `param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+# fields both endpoints honour, and the value each refused field may still carry (its neutral value)
+COMMON = {"model", "max_tokens", "temperature", "seed", "n", "stop", "stream", "stream_options", "user",
+          "return_token_ids"}
+NEUTRAL = {"top_p": (None, 1, 1.0), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+           "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
+           "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+           "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, True, False),
+           "store": (None, False), "metadata": None, "service_tier": (None, "auto", "default")}
+WHY = {"top_p": "nucleus sampling is not implemented (temperature sampling and greedy are)",
+       "presence_penalty": "penalties are not implemented", "frequency_penalty": "penalties are not implemented",
+       "logit_bias": "logit bias is not implemented", "best_of": "best_of is not implemented; ask for n choices",
+       "suffix": "insertion (suffix) is not implemented", "tools": "tool calls are not implemented",
+       "tool_choice": "tool calls are not implemented", "functions": "function calls are not implemented",
+       "function_call": "function calls are not implemented",
+       "response_format": "structured output is not implemented (text only)",
+       "parallel_tool_calls": "tool calls are not implemented", "store": "stored completions are not kept",
+       "service_tier": "there is one service tier"}
+COMPLETION_FIELDS = COMMON | set(NEUTRAL) | {"prompt", "logprobs", "echo"}
+CHAT_FIELDS = COMMON | set(NEUTRAL) | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+MAX_N = 16
+MAX_STOP = 4
+
+
+@dataclass
+class Ask:
+    """One request, read and checked."""
+    prompts: list[list[int]]  # token ids of each prompt (chat: one, the rendered conversation)
+    prompt_texts: list[str]  # for echo
+    max_tokens: int | None  # None: as many as max_model_len leaves
+    temperature: float
+    seed: int | None
+    n: int
+    stop: list[str]
+    want_logprobs: bool
+    top_logprobs: int
+    echo: bool
+    stream: bool
+    include_usage: bool
+    chat: bool
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _int(body: dict, key: str, default, low: int, high: int | None = None) -> int:
+    v = body.get(key, default)
+    if v is None:
+        v = default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequest(f"{key} must be an integer, not {v!r}", key)
+    if v < low or (high is not None and v > high):
+        raise BadRequest(f"{key} must be between {low} and {high}" if high is not None else f"{key} must be at least {low}",
+                         key)
+    return v
+
+
+def _check_fields(body: dict, allowed: set[str]) -> None:
+    for key in sorted(body):
+        if key not in allowed:
+            raise BadRequest(f"unknown field {key!r}: the reference engine does not implement it", key)
+        if key in NEUTRAL and NEUTRAL[key] is not None and body[key] not in NEUTRAL[key]:
+            raise BadRequest(f"{key} = {json.dumps(body[key])[:80]} is not supported: {WHY[key]}", key)
+
+
+def _common(body: dict, chat: bool) -> dict:
+    """max_tokens None: as many as the engine's max_model_len leaves (chat's default); completions' is 16."""
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = None if chat and body.get(key) is None else _int(body, key, 16, 1)
+    temperature = body.get("temperature", 1.0)
+    if temperature is None:
+        temperature = 1.0
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
+        raise BadRequest(f"temperature must be a number from 0 to 2, not {temperature!r}", "temperature")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise BadRequest(f"seed must be an integer, not {seed!r}", "seed")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest(f"stop must be a non-empty string or a list of up to {MAX_STOP} of them", "stop")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise BadRequest("stream must be true or false", "stream")
+    opts = body.get("stream_options")
+    if opts is not None and (not stream or not isinstance(opts, dict) or set(opts) - {"include_usage"}):
+        raise BadRequest("stream_options takes include_usage only, and only with stream: true", "stream_options")
+    return {"max_tokens": max_tokens, "temperature": float(temperature), "seed": seed,
+            "n": _int(body, "n", 1, 1, MAX_N), "stop": stop, "stream": stream,
+            "include_usage": bool((opts or {}).get("include_usage"))}
+
+
+def read_completion(body: dict, tokenizer, encode) -> Ask:
+    """/v1/completions: a prompt (text, token ids, or a list of either), logprobs (0..5: the k likeliest
+    tokens too), echo."""
+    _check_fields(body, COMPLETION_FIELDS)
+    prompt = body.get("prompt")
+    many = prompt if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt) else [prompt]
+    prompts, texts = [], []
+    for p in many:
+        if isinstance(p, str):
+            prompts.append(encode(tokenizer, p))
+            texts.append(p)
+        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            prompts.append(list(p))
+            texts.append(tokenizer.decode(p, skip_special_tokens=True))
+        else:
+            raise BadRequest("prompt must be a string, a list of token ids, or a list of either", "prompt")
+    logprobs = body.get("logprobs")
+    if logprobs is False:
+        logprobs = None
+    if logprobs is not None:
+        logprobs = _int(body, "logprobs", 0, 0, 5)
+    echo = body.get("echo") or False
+    if not isinstance(echo, bool):
+        raise BadRequest("echo must be true or false", "echo")
+    if echo and logprobs is not None:
+        raise BadRequest("echo with logprobs would need the prompt's logprobs, which are not computed", "echo")
+    return Ask(prompts=prompts, prompt_texts=texts, want_logprobs=logprobs is not None, top_logprobs=logprobs or 0,
+               echo=echo, chat=False, **_common(body, False))
+
+
+def read_chat(body: dict, tokenizer, template: str | None, special: dict) -> Ask:
+    """/v1/chat/completions: messages rendered with the tokenizer's chat template (a 400 when it has none),
+    logprobs (true/false) and top_logprobs (0..20)."""
+    _check_fields(body, CHAT_FIELDS)
+    if template is None:
+        raise BadRequest("this model's tokenizer has no chat template (tokenizer_config.json chat_template, or "
+                         "chat_template.jinja): use /v1/completions", "messages")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list", "messages")
+    plain = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
+            raise BadRequest(f"messages[{i}] must have a role of system, developer, user or assistant", "messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content):
+                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(c["text"] for c in content)
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be text", "messages")
+        plain.append({"role": m["role"], "content": content})
+    text = render_chat(template, plain, special)
+    logprobs = body.get("logprobs") or False
+    if not isinstance(logprobs, bool):
+        raise BadRequest("logprobs must be true or false", "logprobs")
+    top = _int(body, "top_logprobs", 0, 0, 20)
+    if top and not logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    ids = tokenizer.encode(text, add_special_tokens=False).ids  # the template writes the special tokens itself
+    return Ask(prompts=[ids], prompt_texts=[text], want_logprobs=logprobs, top_logprobs=top, echo=False, chat=True,
+               **_common(body, True))
+
+
+# ---- chat templates ------------------------------------------------------------------------
+
+def chat_template(model_dir: str | Path) -> tuple[str | None, dict]:
+    """The tokenizer's chat template (tokenizer_config.json chat_template, chat_template.jinja or
+    chat_template.json, as transformers saves it) and the special tokens a template may name."""
+    d = Path(model_dir)
+    try:
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    special = {}
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        v = cfg.get(key)
+        special[key] = v.get("content", "") if isinstance(v, dict) else (v or "")
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not template and (d / "chat_template.jinja").is_file():
+        template = (d / "chat_template.jinja").read_text()
+    if not template and (d / "chat_template.json").is_file():
+        try:
+            template = json.loads((d / "chat_template.json").read_text()).get("chat_template")
+        except (OSError, ValueError, AttributeError):
+            template = None
+    return (template if isinstance(template, str) and template else None), special
+
+
+def render_chat(template: str, messages: list[dict], special: dict) -> str:
+    """The conversation as the model was trained to see it, with the assistant's turn opened; the
+    template runs sandboxed, with the names transformers gives it."""
+    from datetime import datetime
+
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise BadRequest(f"the chat template refused the messages: {message}", "messages")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **_: json.dumps(x, indent=indent,
+                                                                                       ensure_ascii=ensure_ascii)
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special)
+    except BadRequest:
+        raise
+    except TemplateError as e:
+        raise BadRequest(f"the chat template failed: {e}", "messages") from None
+
+
+# ---- text, token by token ------------------------------------------------------------------
+
+class TextSoFar:
+    """The completion's text as its tokens come (the engine's on_token): what may be sent already
+    (not a byte of a character still incomplete, not what may turn out to start a stop string), and
+    where a stop string ends it (OpenAI leaves the stop string out of the text)."""
+
+    def __init__(self, tokenizer, stop: list[str], send=None):
+        self.tokenizer, self.stop, self.send = tokenizer, stop, send
+        self.tokens: list[int] = []
+        self.text, self.sent, self.stopped, self.gone = "", 0, False, False
+
+    def __call__(self, token: int) -> bool:
+        self.tokens.append(token)
+        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.stopped = full[:cut], True
+            self._send(len(self.text))
+            return True
+        self.text = full
+        safe = len(full.rstrip("\ufffd"))  # a character whose bytes are not all here yet
+        for s in self.stop:  # the end of the text may be the start of a stop string
+            for k in range(min(len(s) - 1, len(full)), 0, -1):
+                if full.endswith(s[:k]):
+                    safe = min(safe, len(full) - k)
+                    break
+        self._send(safe)
+        return self.gone  # a client gone: no use computing more
+
+    def finish(self, tokens: list[int]) -> str:
+        """The whole text once the engine is done (`tokens`: all it returned), the rest of it sent."""
+        if not self.stopped:
+            self.text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        self._send(len(self.text))
+        return self.text
+
+    def _send(self, upto: int) -> None:
+        if self.send is not None and upto > self.sent and not self.gone:
+            try:
+                self.send(self.text[self.sent:upto] if upto <= len(self.text) else self.text[self.sent:])
+            except OSError:
+                self.gone = True
+        self.sent = max(self.sent, upto)

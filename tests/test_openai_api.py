@@ -1,0 +1,157 @@
+"""The OpenAI API as clients use it, against a real reference engine (a checkpoint transformers
+wrote, with a chat template), through the `openai` client: streaming ends in [DONE] with the same
+text as without, chat renders the tokenizer's template as transformers does, stop/n/logprobs/echo
+are honoured, anything else is a 400 naming the field, and a 503 says Retry-After."""
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+transformers = pytest.importorskip("transformers")
+
+from tests.conftest import ROOT, free_port  # noqa: E402
+from tests.hf import CHAT_TEMPLATE, checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.slow
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+
+
+def serve(model, *extra) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "restartkit.reference.server", "--model", str(model), "--port",
+                             str(port), "--max-model-len", "256", *extra], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc, port
+        except OSError:
+            assert proc.poll() is None, "the engine exited"
+            time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("the engine did not get ready")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """One engine for the module: a transformers-written Llama with a chat template, float32 on the CPU."""
+    path = tmp_path_factory.mktemp("models") / "chatty"
+    model = checkpoint(path, chat_template=CHAT_TEMPLATE, rope_theta=10000.0)
+    proc, port = serve(path, "--enable-sleep-mode")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    yield {"client": client, "port": port, "path": path, "model": model, "name": client.models.list().data[0].id}
+    proc.terminate()
+    proc.wait(30)
+
+
+def test_a_streamed_completion_is_the_same_text_ending_in_done(engine):
+    c, name = engine["client"], engine["name"]
+    plain = c.completions.create(model=name, prompt="The quick brown fox", max_tokens=20, temperature=0)
+    chunks = list(c.completions.create(model=name, prompt="The quick brown fox", max_tokens=20, temperature=0,
+                                       stream=True))
+    assert len(chunks) > 2 and chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+    assert "".join(ch.choices[0].text for ch in chunks) == plain.choices[0].text != ""
+    # on the wire: server-sent events, the last one [DONE]
+    body = json.dumps({"model": name, "prompt": "hi", "max_tokens": 3, "temperature": 0, "stream": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{engine['port']}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.headers["Content-Type"] == "text/event-stream"
+        events = [ln for ln in r.read().decode().split("\n\n") if ln]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+
+
+def test_chat_renders_the_template_as_transformers_does_streamed_or_not(engine):
+    c, name = engine["client"], engine["name"]
+    tok = transformers.AutoTokenizer.from_pretrained(engine["path"])
+    ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    import torch
+    want = engine["model"].generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False,
+                                    pad_token_id=0)[0, len(ids):].tolist()
+    out = c.chat.completions.create(model=name, messages=MESSAGES, max_tokens=10, temperature=0)
+    assert out.choices[0].model_extra["token_ids"] == want
+    assert out.choices[0].message.role == "assistant" and out.usage.prompt_tokens == len(ids)
+    assert out.choices[0].message.content == tok.decode(want, skip_special_tokens=True)
+    chunks = list(c.chat.completions.create(model=name, messages=MESSAGES, max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == out.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == len(want)
+
+
+def test_stop_n_logprobs_and_echo_are_honoured(engine):
+    c, name = engine["client"], engine["name"]
+    full = c.completions.create(model=name, prompt="Restarting", max_tokens=24, temperature=0).choices[0].text
+    stop = full[5:8]
+    assert len(stop) == 3 and stop in full
+    cut = c.completions.create(model=name, prompt="Restarting", max_tokens=24, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=name, prompt="Restarting", max_tokens=24, temperature=0, stop=stop, stream=True))
+    assert streamed == cut.choices[0].text
+    two = c.completions.create(model=name, prompt="Restarting", max_tokens=6, temperature=0, n=2)
+    assert [ch.index for ch in two.choices] == [0, 1] and two.choices[0].text == two.choices[1].text
+    sampled = c.completions.create(model=name, prompt="Restarting", max_tokens=6, temperature=1.0, n=2, seed=3)
+    again = c.completions.create(model=name, prompt="Restarting", max_tokens=6, temperature=1.0, n=2, seed=3)
+    assert [ch.text for ch in sampled.choices] == [ch.text for ch in again.choices]
+    lp = c.completions.create(model=name, prompt="Restarting", max_tokens=4, temperature=0, logprobs=2).choices[0]
+    assert len(lp.logprobs.top_logprobs) == 4 and all(len(top) == 2 for top in lp.logprobs.top_logprobs)
+    assert all(max(top.values()) == pytest.approx(chosen) for top, chosen in
+               zip(lp.logprobs.top_logprobs, lp.logprobs.token_logprobs))  # greedy: the likeliest
+    echo = c.completions.create(model=name, prompt="Restarting", max_tokens=4, temperature=0, echo=True)
+    assert echo.choices[0].text.startswith("Restarting")
+    chat = c.chat.completions.create(model=name, messages=MESSAGES, max_tokens=3, temperature=0, logprobs=True,
+                                     top_logprobs=2)
+    assert len(chat.choices[0].logprobs.content) == 3 and len(chat.choices[0].logprobs.content[0].top_logprobs) == 2
+
+
+@pytest.mark.parametrize("fields,param", [({"top_p": 0.5}, "top_p"), ({"presence_penalty": 1.0}, "presence_penalty"),
+                                          ({"extra_body": {"guided_json": {}}}, "guided_json"),
+                                          ({"logprobs": 1, "echo": True}, "echo"), ({"best_of": 3}, "best_of")])
+def test_a_field_that_is_not_honoured_is_a_400_naming_it(engine, fields, param):
+    c, name = engine["client"], engine["name"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=name, prompt="hi", max_tokens=2, **fields)
+    assert e.value.body["param"] == param and param in e.value.body["message"], e.value.body
+
+
+def test_chat_without_a_template_is_a_400_and_a_sleeping_engine_says_retry_after(engine, tiny_model):
+    proc, port = serve(tiny_model)  # restartkit's own preset: no chat template
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+        assert "no chat template" in e.value.body["message"] and e.value.body["param"] == "messages"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    base = f"http://127.0.0.1:{engine['port']}"
+    urllib.request.urlopen(urllib.request.Request(base + "/sleep?level=1", b"", method="POST"), timeout=60)
+    try:
+        body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(urllib.request.Request(base + "/v1/completions", body,
+                                                          {"Content-Type": "application/json"}), timeout=30)
+        assert e.value.code == 503 and e.value.headers["Retry-After"] == "1"
+    finally:
+        urllib.request.urlopen(urllib.request.Request(base + "/wake_up", b"", method="POST"), timeout=60)
+    assert engine["client"].completions.create(model=engine["name"], prompt="hi", max_tokens=2).choices
+
+
+def test_a_client_gone_mid_stream_leaves_the_engine_serving(engine):
+    import socket
+    body = json.dumps({"model": engine["name"], "prompt": "hi", "max_tokens": 200, "temperature": 0,
+                       "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", engine["port"]), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert s.recv(64).startswith(b"HTTP/1.1 200")
+    assert engine["client"].completions.create(model=engine["name"], prompt="hi", max_tokens=2).choices
+    assert os.path.isdir(engine["path"])
