@@ -120,10 +120,17 @@ def policy():
 @json_option
 @friendly
 def policy_check(file, as_json):
-    """Check a policy file; print it with every default filled in."""
+    """Check a policy file; print it with every default filled in, and warn about every strategy it asks
+    for that its other keys rule out (naming the key to change)."""
+    from restartkit.commands.combinations import warnings
     from restartkit.policy import load_policy
     p = load_policy(file)
-    emit(p.to_dict(), as_json, f"{file}: ok (service {p.name}, engine {p.service['engine']}, strategies {', '.join(p.strategies)})")
+    found = warnings(p)
+    for w in found:
+        click.echo(f"warning: {w}", err=True)
+    emit({**p.to_dict(), "warnings": found}, as_json,
+         f"{file}: ok (service {p.name}, engine {p.service['engine']}, strategies {', '.join(p.strategies)})"
+         + (f"; {len(found)} warning{'s' if len(found) > 1 else ''} above" if found else ""))
 
 
 # ---- planning and restarting --------------------------------------------------------

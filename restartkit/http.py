@@ -20,8 +20,9 @@ def request(method: str, url: str, body: dict | None = None, timeout: float = 10
             raw = resp.read()
     except urllib.error.HTTPError as e:
         raw = e.read().decode(errors="replace")
-        try:
-            msg = json.loads(raw).get("error", {}).get("message", raw)
+        try:  # OpenAI's {"error": {"message"}}, or FastAPI's {"detail"}
+            data = json.loads(raw)
+            msg = (data.get("error") or {}).get("message") or data.get("detail") or raw
         except (ValueError, AttributeError):
             msg = raw
         raise HTTPFailure(url, e.code, str(msg)[:300]) from None

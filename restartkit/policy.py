@@ -277,9 +277,10 @@ class Policy:
     path: str
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
     state_root: str = ""  # where service state dirs live unless [service] state_dir says (the CLI's --state-dir)
+    written: frozenset = frozenset()  # the sections the file itself has (the others are all defaults)
 
     def __getattr__(self, name):  # policy.service, policy.restart, ...
-        if name.startswith("__") or name in ("sections", "state_root"):
+        if name.startswith("__") or name in ("sections", "state_root", "written"):
             raise AttributeError(name)
         try:
             return _Section(self.sections[name])
@@ -324,7 +325,9 @@ def parse_policy(data: dict, path: str = "<policy>") -> Policy:
         sections[sec] = _section(path, sec, raw, keys, errors)
     if errors:
         raise errors[0] if len(errors) == 1 else PolicyErrors(path, errors)
-    return _across(path, sections)
+    policy = _across(path, sections)
+    policy.written = frozenset(sec for sec in SCHEMA if isinstance(data.get(sec), dict))
+    return policy
 
 
 def _section(path: str, sec: str, raw: dict, keys: dict[str, Key], errors: list) -> dict:

@@ -3,6 +3,7 @@ by hand for the pure tests, and the steps the real tests take (a weight cache st
 taken, the engines on a port found).  No test file imports another; they import this."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -207,3 +208,19 @@ class Supervised:
             self.proc.wait(60)
         self.sock.close()
         self._reader.join(timeout=2)
+
+
+IO_URING = "/proc/sys/kernel/io_uring_disabled"
+
+
+@contextlib.contextmanager
+def io_uring(value: int):
+    """kernel.io_uring_disabled set for the block (2: none can be created; CRIU cannot dump one)."""
+    old = open(IO_URING).read().strip()
+    with open(IO_URING, "w") as f:
+        f.write(str(value))
+    try:
+        yield
+    finally:
+        with open(IO_URING, "w") as f:
+            f.write(old)

@@ -2,7 +2,9 @@
 reference server, started the way a user would start their own), restarted and
 proven like the others; a missing binary is named before anything stops."""
 import json
+import os
 import sys
+import time
 
 import pytest
 
@@ -97,3 +99,70 @@ def test_a_single_file_checkpoint_is_pinned_for_snapshots(tmp_path):
     os.utime(model, ns=(1, 1))
     assert before and local_checkpoint_identity(str(model)) != before
     assert local_checkpoint_identity("org/model") is None
+
+
+def transformers_serve():
+    """`transformers serve` (transformers[serving]): a third-party OpenAI-compatible server that refuses
+    fields it does not know (422) and returns neither token ids nor logprobs."""
+    import importlib.util
+    import shutil
+    exe = shutil.which("transformers", path=os.path.dirname(sys.executable))
+    missing = [m for m in ("transformers", "fastapi", "uvicorn", "accelerate") if importlib.util.find_spec(m) is None]
+    if exe is None or missing:
+        pytest.skip(f"transformers[serving] is not installed ({', '.join(missing) or 'no transformers command'})")
+    return exe
+
+
+STRICT_ENV = 'env = { HF_HUB_OFFLINE = "1", HF_HUB_DISABLE_UPDATE_CHECK = "1", OMP_NUM_THREADS = "1" }\n'
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["cold", "criu"])
+def test_a_strict_third_party_server_restarts_as_a_command_engine(make_policy, service_cleanup, tmp_path, strategy):
+    """The readiness probe carries the standard fields only; the canary falls back from token ids and
+    logprobs (refused with a 422, then ignored) to the text, and the record says so."""
+    if strategy == "criu":
+        from restartkit.facts import criu_facts
+        if os.getuid() != 0 or not criu_facts().check_ok:
+            pytest.skip("needs root and a working CRIU (scripts/install-criu)")
+    from tests.hf import checkpoint
+    model = tmp_path / "hf-llama"
+    checkpoint(model, rope_theta=10000.0)
+    argv = [transformers_serve(), "serve", "{model}", "--host", "{host}", "--port", "{port}", "--device", "cpu"]
+    policy = make_policy(model=str(model), service_extra=f"command = {json.dumps(argv)}\n" + STRICT_ENV)
+    policy.write_text(policy.read_text().replace('engine = "reference"', 'engine = "command"')
+                      .replace('engine_args = ["--threads", "1"]\n', "") + "\n[criu]\npid_wait_s = 5.0\n")
+    service_cleanup(policy)
+    import contextlib
+    from tests.helpers import io_uring
+    with io_uring(2) if strategy == "criu" else contextlib.nullcontext():  # its uvloop makes one otherwise
+        restarted(policy, strategy)
+
+
+def restarted(policy, strategy):
+    t0 = time.monotonic()
+    r = run_cli("start", "--policy", policy)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert time.monotonic() - t0 < 50  # the probe was answered, not waited out
+    if strategy == "criu":
+        r = run_cli("snapshot", "create", "--policy", policy, "--json")
+        assert r.returncode == 0, r.stderr
+    r = run_cli("restart", "--policy", policy, "--strategy", strategy, "--strict", "--json")
+    rec = json.loads(r.stdout)
+    assert r.returncode == 0 and rec["served_by"] == strategy and rec["proof"]["canary_identical"] is True, rec
+    assert rec["proof"]["compared_by"] == "text" and rec["proof"]["after"][0][0].startswith("text:"), rec["proof"]
+
+
+@pytest.mark.slow
+def test_a_4xx_to_the_readiness_probe_is_reported_at_once(make_policy, tiny_model, service_cleanup):
+    """A server that answers the probe with a 400 (here one whose own max_model_len cannot hold it) is not
+    waited out for start_timeout_s: the start fails with the server's message."""
+    argv = [a if a != "{max_model_len}" else "6" for a in SERVER]
+    policy = command_policy(make_policy, tiny_model, argv)
+    policy.write_text(policy.read_text().replace("start_timeout_s = 60", "start_timeout_s = 240"))
+    service_cleanup(policy)
+    t0 = time.monotonic()
+    r = run_cli("start", "--policy", policy)
+    assert r.returncode != 0 and time.monotonic() - t0 < 60, r.stderr
+    assert "refused restartkit's readiness probe: HTTP 400" in r.stderr and "exceeds max_model_len" in r.stderr, r.stderr
+    assert "raise [restart] start_timeout_s" not in r.stderr

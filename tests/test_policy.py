@@ -70,3 +70,41 @@ def test_example_policies_parse():
 
 def test_demo_policy_file_matches_the_embedded_template():
     assert (ROOT / "policies" / "demo.toml").read_text() == DEMO_POLICY.format(workdir=DEFAULT_WORKDIR, port=DEFAULT_PORT)
+
+
+FILE = '[service]\nname = "svc"\nengine = "{engine}"\nmodel = "/m"\nport = 8000\n{service}'
+COMBINATIONS = [
+    ('[sleep]\nenabled = true\n[ipc]\n', "reference", "",
+     ['ipc is never eligible', 'set [ipc] mode = "copy", or [sleep] enabled = false']),
+    ('[standby]\nenabled = true\n[ipc]\nmode = "copy"\n', "reference", "",
+     ['standby is never eligible', '[ipc] mode is \'copy\'', 'set [ipc] mode = "zero_copy"']),
+    ('[standby]\nenabled = true\n[sleep]\nenabled = true\n', "reference", "",
+     ['sleep is not eligible once a standby serves']),
+    ('[sleep]\nenabled = true\n', "command", 'command = ["srv"]\n',
+     ['sleep is never eligible', 'generic command engine has no sleep interface']),
+    ('[criu]\n', "reference", "tensor_parallel_size = 2\n",
+     ['criu is never eligible', 'tensor_parallel_size = 2', 'remove [criu]']),
+    ('[restart]\noverlap = true\n', "vllm", "", ['[restart] overlap = true does nothing', 'set it to false']),
+]
+
+
+@pytest.mark.parametrize("extra,engine,service,words", COMBINATIONS)
+def test_policy_check_warns_about_a_strategy_the_policy_rules_out(tmp_path, extra, engine, service, words):
+    import json
+    from tests.conftest import run_cli
+    p = tmp_path / "p.toml"
+    p.write_text(FILE.format(engine=engine, service=service) + extra)
+    r = run_cli("policy", "check", str(p), "--json")
+    assert r.returncode == 0, r.stderr
+    found = json.loads(r.stdout)["warnings"]
+    assert len(found) == 1 and all(w in found[0] for w in words), found
+    assert f"warning: {found[0]}" in r.stderr
+
+
+def test_a_policy_without_conflicts_has_no_warnings(tmp_path):
+    from restartkit.commands.combinations import warnings
+    p = tmp_path / "p.toml"
+    p.write_text(FILE.format(engine="reference", service="") + '[sleep]\nenabled = true\n[ipc]\nmode = "copy"\n[criu]\n')
+    assert warnings(load_policy(p)) == []
+    p.write_text(FILE.format(engine="reference", service="") + '[standby]\nenabled = true\n[ipc]\n')
+    assert warnings(load_policy(p)) == []

@@ -4,29 +4,13 @@ plan gives on a CPU vLLM, and io_uring.  The ipc and sleep paths need a GPU
 vLLM: they are tested against vLLM's own log lines and HTTP answers."""
 import json
 import os
-from contextlib import contextmanager
 
 import pytest
 
 from restartkit.engines.vllm import VLLMAdapter, parse_ipc_log
 from restartkit.facts import criu_facts
 from tests.conftest import run_cli
-from tests.helpers import HAVE_VLLM, needs_vllm, vllm_policy_for
-
-IO_URING = "/proc/sys/kernel/io_uring_disabled"
-
-
-@contextmanager
-def io_uring(value: int):
-    old = open(IO_URING).read().strip()
-    with open(IO_URING, "w") as f:
-        f.write(str(value))
-    try:
-        yield
-    finally:
-        with open(IO_URING, "w") as f:
-            f.write(old)
-
+from tests.helpers import HAVE_VLLM, io_uring, needs_vllm, vllm_policy_for
 
 @pytest.fixture
 def vllm_policy(make_policy, vllm_model, service_cleanup):

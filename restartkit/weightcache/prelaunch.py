@@ -98,6 +98,10 @@ def _healthy(url: str) -> bool:
 def preload_command(policy_path, flags: dict, detach: bool, wait_ready: bool, say, state_root: str = "") -> int:
     from restartkit.weightcache.launcher import Launcher, run
     policy, layout, timeout, host, port = build(policy_path, flags, state_root)
+    if policy is not None and not wait_ready:
+        from restartkit.commands.combinations import warnings
+        for w in warnings(policy):
+            say(f"warning: {w}")
     health = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}/health" if port else None
     if wait_ready:
         return wait_until_ready(layout, timeout, say, health)
