@@ -111,3 +111,37 @@ def test_end_of_sequence_ids_from_the_generation_config_end_a_completion(tmp_pat
     model.generation_config.eos_token_id = [257, stop_at]
     want, got = reference_ids(model, path), engine_ids(path)
     assert got == want and got[0][1][-1] == stop_at and len(got[0][1]) <= 4
+
+
+@pytest.mark.slow
+def test_served_through_the_openai_client_the_answers_are_transformers_before_and_after_a_restart(
+        make_policy, service_cleanup, tmp_path, sockdir, preloads):
+    """The new user's path: a transformers 5 checkpoint restartkit did not write (rope_parameters, tied
+    embeddings, a tokenizer that adds no BOS), started by `restartkit start`, asked through the openai client:
+    transformers' answers, and the same after a cold restart and an ipc restart (the weight cache holds the
+    embedding only: the tied output projection is the same tensor), each with its canary identical."""
+    import functools
+    openai = pytest.importorskip("openai")
+    from tests.conftest import run_cli
+    from tests.helpers import ipc_policy, start_preload
+    path = tmp_path / "their-llama"
+    model = checkpoint(path, rope_theta=10000.0, tie_word_embeddings=True, bos=False)
+    want = [ids for _, ids in reference_ids(model, path)]
+    policy = ipc_policy(functools.partial(make_policy, model=str(path)), sockdir)
+    policy.write_text(policy.read_text().replace('engine_args = ["--threads", "1"]',
+                                                 'engine_args = ["--threads", "1", "--dtype", "float32"]'))
+    service_cleanup(policy)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    port = int(policy.read_text().split("port = ")[1].split()[0])
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+
+    def answers():
+        return [client.completions.create(model="their-llama", prompt=p, max_tokens=NEW_TOKENS, temperature=0)
+                .choices[0].model_extra["token_ids"] for p in PROMPTS]
+    assert answers() == want
+    start_preload(policy, preloads)
+    for strategy in ("cold", "ipc"):
+        r = run_cli("restart", "--policy", policy, "--strategy", strategy, "--strict", "--json")
+        rec = json.loads(r.stdout)
+        assert r.returncode == 0 and rec["served_by"] == strategy and rec["proof"]["canary_identical"] is True, rec
+        assert answers() == want
