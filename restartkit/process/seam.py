@@ -71,9 +71,10 @@ class Seam:
             safe_point()
             if done():
                 return True
-            if self.clock() >= deadline:
+            now = self.clock()
+            if now >= deadline:
                 return False
-            self.sleep(interval_s)
+            self.sleep(min(interval_s, deadline - now))  # never past the deadline: a short wait stays short
 
     def reap_until_gone(self, pids: list[int], timeout_s: float, also: Callable[[], bool] = lambda: True) -> bool:
         """Reap `pids` (our children, or orphans we adopted) until none of their trees is left
