@@ -108,3 +108,17 @@ def test_a_policy_without_conflicts_has_no_warnings(tmp_path):
     assert warnings(load_policy(p)) == []
     p.write_text(FILE.format(engine="reference", service="") + '[standby]\nenabled = true\n[ipc]\n')
     assert warnings(load_policy(p)) == []
+
+
+@pytest.mark.slow
+def test_preload_warns_too(make_policy, sockdir):
+    from tests.conftest import run_cli
+    from tests.helpers import ipc_policy
+    policy = ipc_policy(make_policy, sockdir)
+    policy.write_text(policy.read_text() + "\n[sleep]\nenabled = true\n")
+    try:
+        r = run_cli("preload", "--policy", policy, "--detach")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert 'warning: ipc is never eligible with this policy' in r.stdout and '[ipc] mode = "copy"' in r.stdout
+    finally:
+        run_cli("weightcache", "release", "--policy", policy, "--stop", "--force")
