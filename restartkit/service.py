@@ -95,7 +95,10 @@ class Service:
 
     # ---- canary -------------------------------------------------------------------
     def canary(self) -> list[list[int]]:
-        tokens = self.adapter.canary(self.policy)
+        return self.remember_canary(self.adapter.canary(self.policy))
+
+    def remember_canary(self, tokens: list) -> list:
+        """canary.json: the baseline of a restart that finds no live engine to ask."""
         try:
             self.ensure_state_dir()
             write_json_atomic(self.canary_path, {"taken_at": time.time(), "model": self.policy.service["model"],

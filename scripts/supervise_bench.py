@@ -115,8 +115,8 @@ def standby_prepared(pol: Path, timeout: float = 300) -> dict:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         sb = json.loads(cli("status", "--policy", pol, "--json").stdout).get("standby") or {}
-        if sb.get("state") == "prepared":
-            return sb
+        if sb.get("state") == "prepared" and (sb.get("canary") or not sb.get("kv_ahead")):
+            return sb  # (activated ahead: once it answered its canary ahead too)
         time.sleep(0.2)
     raise RuntimeError("no standby was prepared in time")
 

@@ -94,15 +94,23 @@ class StandbyStrategy(BaseStrategy):
             phases["stop_old"] = round(time.monotonic() - t0, 4)
         t1 = time.monotonic()
         try:
-            return self._promote(service, new, status, out, old, beside, t0, t1)
+            return self._promote(service, new, status, out, old, beside, t0, t1, rec)
         finally:
             if handover is not None:
                 handover.join()
                 out.proof["old_stop"] = handover.how
 
-    def _promote(self, service, new, status, out: Outcome, old, beside: bool, t0: float, t1: float) -> Outcome:
+    def on_canary_failure(self, service, outcome: Outcome) -> None:
+        """The promoted standby answered another canary: it is stopped before the recovery starts (armed before
+        this restart, it is not among what the recovery's clean-up counts as this restart's)."""
+        current = service.current()
+        if current is not None and current.pid == outcome.proof.get("standby_pid"):
+            outcome.proof["stopped_after_canary"] = service.engine.stop()
+
+    def _promote(self, service, new, status, out: Outcome, old, beside: bool, t0: float, t1: float,
+                 rec: dict) -> Outcome:
         """SIGUSR1 (activate, unless done ahead), the canary on its private port, SIGUSR2 (the public port)."""
-        from restartkit.commands.standby import consumed
+        from restartkit.commands.standby import canary_of, consumed
         pol, phases = service.policy, out.phases
         try:
             private, stats = _activate(service, new, status, out, old, pol.standby["promote_timeout_s"])
@@ -133,6 +141,14 @@ class StandbyStrategy(BaseStrategy):
         consumed(service)
         phases["stop_to_ready"] = round(time.monotonic() - t1, 4)
         out.ready_at = time.monotonic()
+        # the proof: the whole canary this process answered on its private port (beside the old engine, just
+        # now; activated ahead, while it waited), compared by the restart; else the restart asks it on the port
+        ahead = out.proof["new_engine_canary"] if beside else canary_of(service, rec)
+        if ahead is not None:
+            out.detail["canary_after"] = ahead
+            out.proof["canary_from"] = ("the promoted engine on its private port, " + (
+                "before it took the port" if beside else f"while it waited armed ({time.time() - rec['canary']['at']:.0f} s "
+                "before its promotion)"))
         if beside:
             t2 = time.monotonic()
             out.proof["old_stop"] = service.engine.stop()  # SIGTERM: it finishes what it answers, closes its listener

@@ -90,6 +90,11 @@ def test_a_planned_restart_promotes_the_standby_and_stop_takes_it_down(make_poli
     rec = json.loads(r.stdout)
     assert r.returncode == 0 and rec["served_by"] == "standby" and rec["proof"]["canary_identical"] is True, rec
     assert rec["attempts"][-1]["proof"]["standby_pid"] == armed["pid"] == standby_gone_engine(policy)
+    # activated ahead, it answered the canary while it waited: that is the proof, compared with the old engine's
+    # (no canary of restartkit's own on the public port for a client's first request to queue behind)
+    came_from = rec["attempts"][-1]["proof"].get("canary_from")
+    assert (armed.get("canary") is not None) is (kv_ahead == "always")
+    assert (came_from is not None and "while it waited armed" in came_from) is (kv_ahead == "always"), came_from
     assert run_cli("standby", "arm", "--policy", policy).returncode == 0
     again = standby(policy)
     r = run_cli("stop", "--policy", policy, "--json")
@@ -165,6 +170,7 @@ def test_a_standby_ready_ahead_takes_the_port_beside_the_old_engine(make_policy,
     assert r.returncode == 0 and rec["served_by"] == "standby" and rec["proof"]["canary_identical"] is True, rec
     att = rec["attempts"][-1]
     assert att["proof"]["overlap"] is True and "stop_old" in att["phases"] and rec["downtime"] is not None, att
+    assert "before it took the port" in att["proof"]["canary_from"]
     assert listeners(port_of(policy)) == [att["proof"]["standby_pid"]]
     assert gone(old)
 
@@ -356,3 +362,25 @@ def test_a_neighbour_on_the_port_at_promotion_is_named_and_the_standby_stays_arm
     rec = json.loads(r.stdout)
     assert r.returncode == 0 and rec["served_by"] == "standby" and rec["proof"]["canary_identical"] is True, rec
     assert listeners(port) == [sb]
+
+
+def test_a_canary_answered_ahead_that_differs_is_not_trusted(make_policy, sockdir, preloads, service_cleanup):
+    """The canary a standby answered while it waited is compared like any other: one that differs from the old
+    engine's fails the promotion, and the restart recovers cold with an identical canary."""
+    policy = policy_with_standby(make_policy, sockdir)
+    policy.write_text(policy.read_text() + 'kv_ahead = "always"\n')
+    service_cleanup(policy)
+    start_preload(policy, preloads)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    assert run_cli("standby", "arm", "--policy", policy).returncode == 0
+    path = policy.parent / "state" / "svc" / "standby.json"
+    rec = json.loads(path.read_text())
+    rec["canary"]["tokens"][0][-1] += 1  # as if the standby computed another last token
+    path.write_text(json.dumps(rec))
+    r = run_cli("restart", "--policy", policy, "--strategy", "standby", "--json")
+    out = json.loads(r.stdout)
+    assert out["attempts"][0]["strategy"] == "standby" and "canary differs" in out["attempts"][0]["error"], out
+    assert out["served_by"] == "cold" and out["via_recovery"] and out["proof"]["canary_identical"] is True, json.dumps(out)
+    st = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
+    assert st["serving"] and st["pid"] != rec["pid"] and listeners(port_of(policy)) == [st["pid"]]
+    assert gone(rec["pid"])

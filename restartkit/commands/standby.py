@@ -81,7 +81,40 @@ def arm_prepared(service, say) -> dict:
         disarm(service)
         what = f"was not prepared within {timeout:.0f} s" if not done else f"{st['state']} while preparing"
         raise EngineStartError(f"the standby {what}; stopped", hint=f"see its log: {service.engine.log_path}")
+    if canary_ahead(service):
+        st = state(service) or st
     return st
+
+
+def canary_ahead(service) -> bool:
+    """A standby activated ahead (its KV cache and graph ready) answers the policy's canary on its private
+    port while it waits; kept in standby.json, it is the promotion's proof, so that no client's first request
+    queues behind a canary of restartkit's own on the public port.  Run under the service's lock (a promotion
+    consumes standby.json).  True when the record holds one now."""
+    path, _ = _paths(service)
+    rec = state(service)
+    if rec is None or not rec.get("kv_ahead") or rec["state"] != "prepared" or not rec.get("admin_port"):
+        return False
+    r = service.policy.restart
+    if canary_of(service, rec) is not None:
+        return True
+    tokens = service.adapter.canary(service.policy, base=f"http://127.0.0.1:{rec['admin_port']}")
+    raw = json.loads(path.read_text())
+    if raw.get("pid") != rec["pid"]:
+        return False  # replaced meanwhile
+    raw["canary"] = {"prompts": r["canary_prompts"], "max_tokens": r["canary_max_tokens"], "tokens": tokens,
+                     "at": time.time()}
+    write_json_atomic(path, raw)
+    return True
+
+
+def canary_of(service, rec: dict) -> list | None:
+    """The canary the standby answered while it waited, if it was asked the policy's canary as it is now."""
+    c = rec.get("canary") or {}
+    r = service.policy.restart
+    if c.get("prompts") == r["canary_prompts"] and c.get("max_tokens") == r["canary_max_tokens"]:
+        return c.get("tokens")
+    return None
 
 
 def kv_ahead(service) -> tuple[bool, str]:

@@ -350,6 +350,8 @@ class Supervisor:
                 self.say(f"{svc.policy.name}: standby PID {rec['pid']} armed ({sb['rearm_s'][-1]:.2f} s without one)")
                 self._save("serving")
                 self._standby_metric(True, sb["rearm_s"][-1])
+            if rec["state"] == "prepared" and rec.get("kv_ahead") and not rec.get("canary"):
+                self._canary_ahead()
             if rec["state"] != "prepared" or not (why := stale(svc, rec)):
                 return
             self.say(f"{svc.policy.name}: standby PID {rec['pid']} is stale ({why}); replacing it")
@@ -370,6 +372,17 @@ class Supervisor:
             sb["next_try"] = 0.0  # another command works on the service: the next turn tries again
         except Exception as e:
             self.say(f"{svc.policy.name}: could not arm a standby: {getattr(e, 'message', None) or e}")
+
+    def _canary_ahead(self) -> None:
+        """The armed standby answers the canary ahead (commands.standby.canary_ahead), under the lock."""
+        from restartkit.commands.standby import canary_ahead
+        try:
+            with guarded(self.service, "supervise standby", 0.0, lambda _m: None, defer_signals=False):
+                canary_ahead(self.service)
+        except BusyError:
+            pass  # another command works on the service: the next turn asks again
+        except Exception as e:  # the promotion then takes its canary on the public port, as without one ahead
+            self.say(f"{self.service.policy.name}: the standby's canary ahead failed: {getattr(e, 'message', None) or e}")
 
     def _standby_metric(self, armed: bool, rearm_s: float | None = None) -> None:
         from restartkit.record import note_standby, textfile

@@ -59,12 +59,13 @@ class EngineAdapter:
         """Liveness: the engine's health endpoint answers 2xx (cheap; a real completion is `probe`)."""
         http.get(self.base_url(policy) + self.health_path, timeout=timeout)
 
-    def canary(self, policy) -> list[list[int]]:
-        """Greedy completions of the policy's fixed prompts, as token ids (see canary_kind)."""
+    def canary(self, policy, base: str | None = None) -> list[list[int]]:
+        """Greedy completions of the policy's fixed prompts, as token ids (see canary_kind); `base`: ask the
+        engine there (a standby's private port) instead of the service's."""
         r = policy.restart
         result = []
         for prompt in r["canary_prompts"]:
-            choice = self.completion(policy, prompt, r["canary_max_tokens"])["choices"][0]
+            choice = self.completion(policy, prompt, r["canary_max_tokens"], base=base)["choices"][0]
             tokens = choice.get("token_ids")
             if tokens is None:
                 raise RuntimeError("the engine does not return token ids; the canary cannot compare tokens")

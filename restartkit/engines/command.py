@@ -65,17 +65,17 @@ class CommandAdapter(EngineAdapter):
         return {"ipc": "a generic command engine has no loader for restartkit's weight cache",
                 "sleep": "a generic command engine has no sleep interface restartkit knows"}
 
-    def canary(self, policy) -> list[list]:
+    def canary(self, policy, base: str | None = None) -> list[list]:
         r = policy.restart
-        return [canary_tokens(self._canary_completion(policy, p, r["canary_max_tokens"])["choices"][0])
+        return [canary_tokens(self._canary_completion(policy, p, r["canary_max_tokens"], base)["choices"][0])
                 for p in r["canary_prompts"]]
 
-    def _canary_completion(self, policy, prompt, max_tokens: int) -> dict:
+    def _canary_completion(self, policy, prompt, max_tokens: int, base: str | None = None) -> dict:
         from restartkit.http import HTTPFailure
         forms = [self._form] if self._form is not None else list(CANARY_FORMS)
         for i, form in enumerate(forms):
             try:
-                out = self.completion(policy, prompt, max_tokens, extra=form)
+                out = self.completion(policy, prompt, max_tokens, base=base, extra=form)
             except HTTPFailure as e:
                 if e.status in (400, 422) and i + 1 < len(forms):
                     continue  # a field it does not take (a vLLM extension, logprobs): ask with less
