@@ -81,8 +81,15 @@ def arm_prepared(service, say) -> dict:
         disarm(service)
         what = f"was not prepared within {timeout:.0f} s" if not done else f"{st['state']} while preparing"
         raise EngineStartError(f"the standby {what}; stopped", hint=f"see its log: {service.engine.log_path}")
-    if canary_ahead(service):
-        st = state(service) or st
+    if st.get("kv_ahead"):  # its activation ahead done too, then its canary ahead (else the promotion asks its own)
+        service.seam.wait_until(lambda: (state(service) or {}).get("engine_state") in ("active", "dead", "failed"),
+                                timeout, 0.05)
+        try:
+            if canary_ahead(service):
+                st = state(service) or st
+        except Exception as e:
+            say(f"{service.policy.name}: the standby's canary ahead failed ({getattr(e, 'message', None) or e}); its "
+                "promotion will take its canary on the service's port")
     return st
 
 
@@ -93,8 +100,8 @@ def canary_ahead(service) -> bool:
     consumes standby.json).  True when the record holds one now."""
     path, _ = _paths(service)
     rec = state(service)
-    if rec is None or not rec.get("kv_ahead") or rec["state"] != "prepared" or not rec.get("admin_port"):
-        return False
+    if rec is None or not rec.get("kv_ahead") or rec.get("engine_state") != "active" or not rec.get("admin_port"):
+        return False  # not activated ahead, or its activation (KV cache, graph capture) not done yet
     r = service.policy.restart
     if canary_of(service, rec) is not None:
         return True
@@ -152,6 +159,7 @@ def state(service) -> dict | None:
     except (OSError, ValueError):
         st = {}
     rec["state"] = st.get("state", "starting") if rec["alive"] else "dead"
+    rec["engine_state"] = rec["state"]  # its own word (an activated-ahead standby: "active" once done)
     rec["admin_port"] = st.get("admin_port")
     if rec["state"] == "active" and rec.get("kv_ahead"):
         rec["state"] = "prepared"  # activated ahead: its KV cache and graph are ready, it waits for the port

@@ -350,7 +350,7 @@ class Supervisor:
                 self.say(f"{svc.policy.name}: standby PID {rec['pid']} armed ({sb['rearm_s'][-1]:.2f} s without one)")
                 self._save("serving")
                 self._standby_metric(True, sb["rearm_s"][-1])
-            if rec["state"] == "prepared" and rec.get("kv_ahead") and not rec.get("canary"):
+            if rec.get("engine_state") == "active" and rec.get("kv_ahead") and not rec.get("canary"):
                 self._canary_ahead()
             if rec["state"] != "prepared" or not (why := stale(svc, rec)):
                 return
