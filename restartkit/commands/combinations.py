@@ -1,7 +1,7 @@
 """What a policy asks for that its own other keys rule out, said before anything is tried
 (`policy check`, `preload`): each warning names the strategy that will never be eligible, why,
-and the key to change.  Only the policy and the engine adapter are read, never the host: what
-the host lacks (root, CRIU, a GPU) is `plan`'s to say."""
+and the key to change.  The policy and the engine adapter are read (the engine as installed here,
+for what its build has); what else the host lacks (root, CRIU, a free GPU) is `plan`'s to say."""
 from __future__ import annotations
 
 
@@ -34,7 +34,8 @@ def warnings(policy) -> list[str]:
 
     for s in ("ipc", "sleep"):
         if s in asked and features.get(s):
-            never(s, features[s], f"remove [{s}] or choose another [service] engine")
+            out.append(f"{s} is never eligible with this policy on this host: {features[s]}; run it where the "
+                       f"engine has it, or remove [{s}] / choose another [service] engine")
     if "ipc" in asked and sleepy and policy.ipc["mode"] == "zero_copy" and not features.get("ipc"):
         never("ipc", "sleep mode parks weights the engine owns, and [ipc] mode = \"zero_copy\" (the default) maps them "
               "from the weight cache", "set [ipc] mode = \"copy\", or [sleep] enabled = false")
