@@ -45,6 +45,17 @@ def wait_for(what, timeout=60):
     raise AssertionError(f"not within {timeout} s")
 
 
+def serving_and_armed(make_policy, sockdir, preloads, service_cleanup, kv_ahead: str):
+    """The service serving on its weight cache, a standby armed (`[standby] kv_ahead`); returns the policy."""
+    policy = policy_with_standby(make_policy, sockdir)
+    policy.write_text(policy.read_text() + f'kv_ahead = "{kv_ahead}"\n')
+    service_cleanup(policy)
+    start_preload(policy, preloads)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    assert run_cli("standby", "arm", "--policy", policy).returncode == 0
+    return policy
+
+
 def test_supervise_promotes_its_standby_on_a_crash_and_arms_another(supervised, make_policy, sockdir, preloads):
     policy = policy_with_standby(make_policy, sockdir)
     start_preload(policy, preloads)
@@ -205,12 +216,7 @@ def test_restartkit_killed_during_a_promotion_is_reconciled_by_the_next_command(
     import subprocess
     import sys
     from tests.conftest import ROOT
-    policy = policy_with_standby(make_policy, sockdir)
-    policy.write_text(policy.read_text() + 'kv_ahead = "never"\n')
-    service_cleanup(policy)
-    start_preload(policy, preloads)
-    assert run_cli("start", "--policy", policy).returncode == 0
-    assert run_cli("standby", "arm", "--policy", policy).returncode == 0
+    policy = serving_and_armed(make_policy, sockdir, preloads, service_cleanup, "never")
     sb = standby(policy)["pid"]
     os.kill(sb, signal.SIGSTOP)
     intent = policy.parent / "state" / "svc" / "intent.json"
@@ -367,12 +373,7 @@ def test_a_neighbour_on_the_port_at_promotion_is_named_and_the_standby_stays_arm
 def test_a_canary_answered_ahead_that_differs_is_not_trusted(make_policy, sockdir, preloads, service_cleanup):
     """The canary a standby answered while it waited is compared like any other: one that differs from the old
     engine's fails the promotion, and the restart recovers cold with an identical canary."""
-    policy = policy_with_standby(make_policy, sockdir)
-    policy.write_text(policy.read_text() + 'kv_ahead = "always"\n')
-    service_cleanup(policy)
-    start_preload(policy, preloads)
-    assert run_cli("start", "--policy", policy).returncode == 0
-    assert run_cli("standby", "arm", "--policy", policy).returncode == 0
+    policy = serving_and_armed(make_policy, sockdir, preloads, service_cleanup, "always")
     path = policy.parent / "state" / "svc" / "standby.json"
     rec = json.loads(path.read_text())
     rec["canary"]["tokens"][0][-1] += 1  # as if the standby computed another last token
