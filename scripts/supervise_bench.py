@@ -214,6 +214,7 @@ def main() -> int:
     p.add_argument("--watchdog-sec", type=float, default=4.0, help="WATCHDOG_USEC given to supervise (0: none)")
     p.add_argument("--sigterm-mid-restart", action="store_true")
     p.add_argument("--model", help="an existing checkpoint to use (default: WORK/PRESET, created when missing)")
+    p.add_argument("--kv-ahead", default="auto", help="[standby] kv_ahead for --modes standby")
     a = p.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -244,13 +245,20 @@ backoff_max_s = 0.01
     base = pol.read_text()
     results = {}
     for m in a.modes.split(","):
-        pol.write_text(base + ("[standby]\nenabled = true\n" if m == "standby" else ""))
-        results[modes[m][0]] = run(pol, a.port, a.kills, modes[m][1], modes[m][2], a.watchdog_sec,
-                                   a.sigterm_mid_restart, standby=m == "standby")
+        pol.write_text(base + (f'[standby]\nenabled = true\nkv_ahead = "{a.kv_ahead}"\n' if m == "standby" else ""))
+        try:
+            results[modes[m][0]] = run(pol, a.port, a.kills, modes[m][1], modes[m][2], a.watchdog_sec,
+                                       a.sigterm_mid_restart, standby=m == "standby")
+        except Exception as e:  # one mode failing must not hide the others' results
+            results[modes[m][0]] = {"runs": [], "error": f"{type(e).__name__}: {e}"}
     print(f"\nsupervise: {a.kills} x SIGKILL of the engine ({a.preset}, {a.device}, {time.strftime('%Y-%m-%d %H:%M %Z')})")
     verdicts = []
     for name, result in results.items():
         runs = result["runs"]
+        if "error" in result:
+            print(f"{name:<18} FAILED: {result['error']}")
+            verdicts.append((f"{name}: the run failed ({result['error'].splitlines()[0]})", False))
+            continue
         if "watchdog_gap_s" in result:
             gap = result["watchdog_gap_s"]
             verdicts.append((f"{name}: longest WATCHDOG=1 gap {gap:.2f} s", gap <= a.watchdog_sec / 2))
