@@ -112,6 +112,25 @@ def test_stop_n_logprobs_and_echo_are_honoured(engine):
     assert len(chat.choices[0].logprobs.content) == 3 and len(chat.choices[0].logprobs.content[0].top_logprobs) == 2
 
 
+def test_streamed_logprobs_come_with_their_tokens_and_add_up_to_the_whole(engine):
+    """Each streamed chunk carries the logprobs of the tokens its text completes (not all in the last one);
+    put together they are the unstreamed logprobs, text offsets included, for completions and chat alike."""
+    c, name = engine["client"], engine["name"]
+    ask = {"model": name, "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "logprobs": 2}
+    whole = c.completions.create(**ask).choices[0].logprobs
+    chunks = [ch.choices[0] for ch in c.completions.create(**ask, stream=True)]
+    parts = [ch.logprobs for ch in chunks if ch.logprobs is not None]
+    assert len(parts) >= 2 and all(len(p.tokens) >= 1 for p in parts), parts
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for p in parts for x in getattr(p, key)] == getattr(whole, key), key
+    assert "".join(ch.text for ch in chunks) == c.completions.create(**ask).choices[0].text
+    chat = {"model": name, "messages": MESSAGES, "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    whole = c.chat.completions.create(**chat).choices[0].logprobs.content
+    parts = [ch.choices[0].logprobs.content for ch in c.chat.completions.create(**chat, stream=True)
+             if ch.choices and ch.choices[0].logprobs is not None]
+    assert len(parts) >= 2 and [e.model_dump() for p in parts for e in p] == [e.model_dump() for e in whole]
+
+
 @pytest.mark.parametrize("fields,param", [({"top_p": 0.5}, "top_p"), ({"presence_penalty": 1.0}, "presence_penalty"),
                                           ({"extra_body": {"guided_json": {}}}, "guided_json"),
                                           ({"logprobs": 1, "echo": True}, "echo"), ({"best_of": 3}, "best_of")])

@@ -385,3 +385,37 @@ def test_a_canary_answered_ahead_that_differs_is_not_trusted(make_policy, sockdi
     st = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
     assert st["serving"] and st["pid"] != rec["pid"] and listeners(port_of(policy)) == [st["pid"]]
     assert gone(rec["pid"])
+
+
+def test_a_canary_ahead_that_cannot_be_written_leaves_the_promotion_its_own(make_policy, sockdir, preloads,
+                                                                           service_cleanup):
+    """The standby's record cannot be rewritten when its canary ahead is kept (an immutable standby.json: even
+    root's rename over it fails): `standby arm` says so and still succeeds, the standby stays armed, and its
+    promotion takes its canary on the service's port, identical."""
+    import subprocess
+    from tests.conftest import RESTARTKIT, ROOT
+    policy = policy_with_standby(make_policy, sockdir)
+    policy.write_text(policy.read_text() + 'kv_ahead = "always"\n')
+    service_cleanup(policy)
+    start_preload(policy, preloads)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    path = policy.parent / "state" / "svc" / "standby.json"
+    arm = subprocess.Popen([*map(str, RESTARTKIT), "standby", "arm", "--policy", str(policy)], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        wait_for(path.exists, 60)  # written once by the arm; the canary ahead comes after the standby's preparation
+        if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+            arm.kill()
+            pytest.skip("this filesystem has no immutable files (chattr +i)")
+        out, err = arm.communicate(timeout=120)
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], capture_output=True)
+    assert arm.returncode == 0, out + err
+    assert "the standby's canary ahead failed" in err and "Traceback" not in err, err
+    sb = standby(policy)
+    assert sb["state"] == "prepared" and sb.get("canary") is None, sb
+    r = run_cli("restart", "--policy", policy, "--strategy", "standby", "--json")
+    rec = json.loads(r.stdout)
+    assert r.returncode == 0 and rec["served_by"] == "standby" and rec["proof"]["canary_identical"] is True, rec
+    assert rec["first_completion_s"] is not None, rec  # its canary asked on the service's port, none ahead
+    assert listeners(port_of(policy)) == [sb["pid"]]

@@ -357,17 +357,19 @@ class Handler(BaseHTTPRequestHandler):
             st.phases["first_request"] = round(time.perf_counter() - t0, 4)
 
     def _choices(self, ask, usage: dict) -> list[dict]:
-        """n choices for each prompt, each streamed as its tokens come when asked; the choices (not streamed)."""
+        """n choices for each prompt, each streamed as its tokens come when asked (each chunk with the logprobs
+        of the tokens its text completes); the choices (not streamed)."""
         from restartkit.reference.completions import TextSoFar
         st, chat, choices = self.server.state, ask.chat, []
         for pi, ids in enumerate(ask.prompts):
             usage["prompt_tokens"] += len(ids)
             for j in range(ask.n):
                 index = pi * ask.n + j
-                send = (lambda text, i=index: self._event(self._chunk(ask, i, text, None))) if ask.stream else None
                 if ask.stream and ask.echo:
                     self._event(self._chunk(ask, index, ask.prompt_texts[pi], None))
-                so_far = TextSoFar(st.tokenizer, ask.stop, send)
+                so_far = TextSoFar(st.tokenizer, ask.stop)
+                stream = _Streamed(self, ask, index, so_far) if ask.stream else None
+                so_far.send = stream
                 max_tokens = ask.max_tokens or max(1, st.engine.options.max_model_len - len(ids))
                 # choice j of n samples with its own seed (greedy choices are alike whatever the seed)
                 seed = ask.seed + j if ask.seed is not None else None if j == 0 else st.engine.options.seed + j
@@ -376,9 +378,9 @@ class Handler(BaseHTTPRequestHandler):
                 text = so_far.finish(comp.tokens)
                 finish = "stop" if so_far.stopped else comp.finish_reason
                 usage["completion_tokens"] += len(comp.tokens)
-                if ask.stream:
+                if stream is not None:  # the last chunk: the finish reason, the logprobs of what remains (an EOS)
                     self._event(self._chunk(ask, index, {} if chat else "", finish,
-                                            self._logprobs(ask, comp) if ask.want_logprobs else None))
+                                            stream.logprobs(comp.tokens, comp.logprobs, comp.top_logprobs)))
                 else:
                     choices.append(self._choice(ask, index, (ask.prompt_texts[pi] if ask.echo else "") + text,
                                                 finish, comp))
@@ -406,19 +408,49 @@ class Handler(BaseHTTPRequestHandler):
                 "token_ids": comp.tokens, "prompt_token_ids": comp.prompt_tokens}
 
     def _logprobs(self, ask, comp) -> dict:
+        return self._logprobs_of(ask, comp.tokens, comp.logprobs, comp.top_logprobs)
+
+    def _logprobs_of(self, ask, tokens: list[int], lps: list, tops: list | None, at: int = 0) -> dict:
+        """OpenAI's logprobs for these tokens (chat: `content`; completions: tokens, token_logprobs,
+        top_logprobs, text_offset counted from `at`)."""
         tok = self.server.state.tokenizer
-        names = [tok.id_to_token(t) or "" for t in comp.tokens]
-        tops = comp.top_logprobs or [None] * len(comp.tokens)
+        names = [tok.id_to_token(t) or "" for t in tokens]
+        each_top = tops or [None] * len(tokens)
         if ask.chat:
             def entry(t, lp):
                 piece = tok.decode([t], skip_special_tokens=False)
                 return {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
             return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in (top or {}).items()]}
-                                for t, lp, top in zip(comp.tokens, comp.logprobs, tops)]}
-        offsets, at = [], 0
-        for t in comp.tokens:
+                                for t, lp, top in zip(tokens, lps, each_top)]}
+        offsets = []
+        for t in tokens:
             offsets.append(at)
             at += len(tok.decode([t], skip_special_tokens=True))
-        return {"tokens": names, "token_logprobs": comp.logprobs,
-                "top_logprobs": [{tok.id_to_token(i) or "": v for i, v in top.items()} for top in tops]
-                if comp.top_logprobs else None, "text_offset": offsets}
+        return {"tokens": names, "token_logprobs": list(lps),
+                "top_logprobs": [{tok.id_to_token(i) or "": v for i, v in top.items()} for top in each_top]
+                if tops else None, "text_offset": offsets}
+
+
+class _Streamed:
+    """One streamed choice: each piece of text TextSoFar lets go is a chunk, with the logprobs of the
+    tokens it completes (when asked), their text offsets running on from the chunk before."""
+
+    def __init__(self, handler, ask, index: int, so_far):
+        self.handler, self.ask, self.index, self.so_far = handler, ask, index, so_far
+        self.done, self.at = 0, 0  # tokens whose logprobs were sent; the text offset after them
+
+    def __call__(self, piece: str, upto: int) -> None:
+        sf = self.so_far
+        lps = self.logprobs(sf.tokens[:upto], sf.logprobs[:upto], sf.top_logprobs[:upto] if self.ask.top_logprobs else None)
+        self.handler._event(self.handler._chunk(self.ask, self.index, piece, None, lps))
+
+    def logprobs(self, tokens: list[int], lps: list | None, tops: list | None) -> dict | None:
+        """The logprobs of tokens[done:] (None when not asked, or none is left), counted as sent."""
+        first, self.done = self.done, len(tokens)
+        if not self.ask.want_logprobs or first >= len(tokens):
+            return None
+        out = self.handler._logprobs_of(self.ask, tokens[first:], lps[first:], tops[first:] if tops else None, self.at)
+        if not self.ask.chat:
+            tok = self.handler.server.state.tokenizer
+            self.at += sum(len(tok.decode([t], skip_special_tokens=True)) for t in tokens[first:])
+        return out

@@ -228,15 +228,21 @@ def render_chat(template: str, messages: list[dict], special: dict) -> str:
 class TextSoFar:
     """The completion's text as its tokens come (the engine's on_token): what may be sent already
     (not a byte of a character still incomplete, not what may turn out to start a stop string), and
-    where a stop string ends it (OpenAI leaves the stop string out of the text)."""
+    where a stop string ends it (OpenAI leaves the stop string out of the text).  `send(piece, upto)`:
+    the piece covers the tokens up to `upto` (the tokens whose text it completes; their logprobs go
+    with it)."""
 
     def __init__(self, tokenizer, stop: list[str], send=None):
         self.tokenizer, self.stop, self.send = tokenizer, stop, send
         self.tokens: list[int] = []
+        self.logprobs: list[float | None] = []
+        self.top_logprobs: list[dict | None] = []
         self.text, self.sent, self.stopped, self.gone = "", 0, False, False
 
-    def __call__(self, token: int) -> bool:
+    def __call__(self, token: int, logprob: float | None = None, top: dict | None = None) -> bool:
         self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.top_logprobs.append(top)
         full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
@@ -263,7 +269,7 @@ class TextSoFar:
     def _send(self, upto: int) -> None:
         if self.send is not None and upto > self.sent and not self.gone:
             try:
-                self.send(self.text[self.sent:upto] if upto <= len(self.text) else self.text[self.sent:])
+                self.send(self.text[self.sent:upto] if upto <= len(self.text) else self.text[self.sent:], len(self.tokens))
             except OSError:
                 self.gone = True
         self.sent = max(self.sent, upto)

@@ -41,8 +41,9 @@ class Completion:
     top_logprobs: list[dict[int, float]] | None = None  # per token: the k likeliest ids and their logprobs
 
 
-# called with each new token id as it is chosen; True: stop here (a stop string was met)
-OnToken = Callable[[int], bool] | None
+# called with each new token id as it is chosen, with its logprob and top logprobs when asked (else None);
+# True: stop here (a stop string was met)
+OnToken = Callable[[int, float | None, dict | None], bool] | None
 
 
 class EngineNotReady(RuntimeError):
@@ -61,6 +62,11 @@ def _note_logprobs(logits32: torch.Tensor, chosen: int, lps: list | None, tops: 
     if tops is not None:
         vals, ids = torch.topk(logp, min(k, logp.shape[-1]))
         tops.append({int(i): float(v) for i, v in zip(ids, vals)})
+
+
+def _last(lps: list | None, tops: list | None) -> tuple:
+    """The logprob and top logprobs just noted, for on_token (None where not asked)."""
+    return (lps[-1] if lps else None), (tops[-1] if tops else None)
 
 
 @dataclass
@@ -313,7 +319,7 @@ class Engine:
             if nxt in eos:  # every rank ends here, as every rank chose the same token
                 finish = "stop"
                 break
-            if not stopped and on_token is not None and on_token(nxt):
+            if not stopped and on_token is not None and on_token(nxt, *_last(lps, tops)):
                 finish, stopped = "stop", True
                 if not lockstep:  # the other ranks take the steps to the end: so does this one, silently
                     break
@@ -337,7 +343,7 @@ class Engine:
             _note_logprobs(row32, nxt, lps, tops, top_logprobs)
             out.append(nxt)
             seq.append(nxt)
-            if on_token is not None and nxt not in eos and on_token(nxt):
+            if on_token is not None and nxt not in eos and on_token(nxt, *_last(lps, tops)):
                 stop.append(True)
             return nxt
 
