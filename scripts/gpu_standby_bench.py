@@ -3,18 +3,23 @@
 
     python3 scripts/gpu_standby_bench.py [--device cuda] [--preset 8b-shape] [--repeat 3] [--kills 5]
                                          [--kv-ahead auto|always|never] [--modes standby,snapshot,cache]
+                                         [--save F] [--against F] [--remove-model]
 
 1. planned restarts: the engine on its weight cache, a standby armed (`restartkit standby arm`), then
    `restartkit restart --strategy standby`, `--repeat` times (time to ready, the standby's memory);
 2. crashes under supervise, side by side with the other strategies: scripts/supervise_bench.py
    with --modes (standby first).
 Prints a verdict table: planned time to ready <= 0.3 s (median), crash -> answering <= 0.5 s
-(median), the standby's device memory <= 1.5 GB.
+(median), the standby's device memory <= 1.5 GB; with --against (another preset's --save): both
+medians within +0.1 s of that preset's.  The two-preset run (#28), one device call each:
+    ... --preset 8b-shape --modes standby,snapshot,cache --save 8b.json --remove-model
+    ... --preset 24b-shape --modes standby --against 8b.json --remove-model
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -72,6 +77,16 @@ kv_ahead = "{kv_ahead}"
     return out
 
 
+def against(mine: dict, other: dict) -> list[tuple[str, bool]]:
+    """This preset's medians within +0.1 s of another's (the standby's cost must not grow with the weights)."""
+    out = []
+    for key, what in (("planned_median_s", "planned time to ready"), ("crash_median_s", "crash -> answering")):
+        a, b = mine.get(key), other.get(key)
+        ok = a is not None and b is not None and a <= b + 0.1
+        out.append((f"{what}: {mine['preset']} {a} s against {other['preset']} {b} s (within +0.1 s)", ok))
+    return out
+
+
 def memory_verdict(device: str, mib: list[int]) -> tuple[str, bool]:
     if device == "cpu":  # no device memory to hold: the row says so instead of failing
         return "the standby's device memory: none on the CPU (the 1.5 GB target is the GPU's)", True
@@ -89,6 +104,10 @@ def main() -> int:
     p.add_argument("--work", default="/tmp/rk-standby")
     p.add_argument("--overlap", action="store_true", help="[restart] overlap: the standby takes the port beside the old engine")
     p.add_argument("--no-crash", action="store_true", help="planned restarts only")
+    p.add_argument("--save", help="write this run's medians to this JSON file (for --against in a later run)")
+    p.add_argument("--against", help="another preset's --save file: the cost must not grow with the weights "
+                   "(crash and planned medians within +0.1 s of it)")
+    p.add_argument("--remove-model", action="store_true", help="delete the checkpoint at the end (a 24b-shape one is ~48 GB)")
     a = p.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -131,6 +150,15 @@ def main() -> int:
          median is not None and median <= 0.5),
         memory_verdict(a.device, mib),
     ]
+    mine = {"preset": a.preset, "device": a.device, "at": time.strftime("%Y-%m-%d %H:%M %Z"),
+            "planned_median_s": statistics.median(ttr) if ttr else None, "crash_median_s": median,
+            "standby_gpu_mib": max(mib) if mib else None}
+    if a.save:
+        Path(a.save).write_text(json.dumps(mine, indent=1) + "\n")
+    if a.against:
+        verdicts += against(mine, json.loads(Path(a.against).read_text()))
+    if a.remove_model:
+        shutil.rmtree(work / a.preset, ignore_errors=True)
     print("verdict")
     for what, ok in verdicts:
         print(f"  {'ok  ' if ok else 'FAIL'} {what}")
