@@ -91,10 +91,13 @@ def _activate(service, new, status_path, out: Outcome, old, deadline_s: float | 
     private = f"http://127.0.0.1:{st['admin_port']}"
     new_stats = http.get(private + "/admin/stats", timeout=10)
     load = new_stats.get("load") or {}
-    out.proof.update(ipc=load.get("ipc"), mode=load.get("mode"), attach_s=load.get("attach_s"),
+    ranks = load.get("ranks") or [load.get("ipc")]  # tensor parallel (a standby): every rank's own attach
+    out.proof.update(ipc=load.get("ipc") if all(r == "hit" for r in ranks) else "mixed" if "hit" in ranks else
+                     load.get("ipc"), ranks=ranks, mode=load.get("mode"), attach_s=load.get("attach_s"),
                      new_pid=new.pid, old_pid=old.pid if old is not None else None, private_port=st["admin_port"])
-    if load.get("ipc") != "hit":
-        raise RuntimeError(f"the new engine did not attach from the weight cache: {load.get('ipc')}({load.get('fallback_reason')})")
+    if out.proof["ipc"] != "hit":
+        raise RuntimeError(f"the new engine did not attach from the weight cache on every rank: ranks {ranks} "
+                           f"({load.get('fallback_reason')})")
     if service.policy.service["draft_model"]:
         out.proof["draft"], draft = draft_proof(load)
         if out.proof["draft"] != "hit":

@@ -40,7 +40,7 @@ def test_ipc_restart_is_a_hit_with_identical_canary(make_policy, sockdir, preloa
     assert rec["proof"]["canary_identical"] is True
     prom = (policy.parent / "state" / "svc" / "metrics.prom").read_text()
     assert prom_sample(prom, "restartkit_ipc_attach_total", service="svc", result="hit") == 1
-    if tp > 1:  # an overlapped restart runs one rank only: asked for at TP2, it says so and runs plainly
+    if tp > 1:  # an overlapped restart is built for TP1 only: asked for at TP2, it says so and runs plainly
         r = run_cli("restart", "--policy", policy, "--strategy", "ipc", "--overlap", "--strict", "--json", timeout=120)
         again = json.loads(r.stdout)  # --json: said in the record, stderr stays for errors
         assert r.returncode == 0 and "tensor_parallel_size 1" in again["plan"]["overlap_dropped"], again["plan"]

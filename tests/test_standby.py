@@ -17,10 +17,20 @@ pytestmark = pytest.mark.slow
 STANDBY = "\n[standby]\nenabled = true\n"
 
 
-def policy_with_standby(make_policy, sockdir):
-    policy = ipc_policy(make_policy, sockdir)
-    policy.write_text(policy.read_text() + STANDBY)
+def policy_with_standby(make_policy, sockdir, service_extra="", kv_ahead=None):
+    policy = ipc_policy(make_policy, sockdir, service_extra=service_extra)
+    policy.write_text(policy.read_text() + STANDBY + (f'kv_ahead = "{kv_ahead}"\n' if kv_ahead else ""))
     return policy
+
+
+def started_and_armed(policy, preloads, service_cleanup) -> dict:
+    """The service started on its weight cache and a standby armed: `standby arm --json`'s record."""
+    service_cleanup(policy)
+    start_preload(policy, preloads)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    r = run_cli("standby", "arm", "--policy", policy, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
 
 
 def port_of(policy) -> int:
@@ -87,14 +97,8 @@ def test_a_planned_restart_promotes_the_standby_and_stop_takes_it_down(make_poli
                                                                        kv_ahead):
     """kv_ahead: the standby waits prepared (its KV cache allocated at promotion), or activated (KV cache
     and graph ready, promotion is the port only)."""
-    policy = policy_with_standby(make_policy, sockdir)
-    policy.write_text(policy.read_text() + f'kv_ahead = "{kv_ahead}"\n')
-    service_cleanup(policy)
-    start_preload(policy, preloads)
-    assert run_cli("start", "--policy", policy).returncode == 0
-    r = run_cli("standby", "arm", "--policy", policy, "--json")
-    assert r.returncode == 0, r.stderr
-    armed = json.loads(r.stdout)
+    policy = policy_with_standby(make_policy, sockdir, kv_ahead=kv_ahead)
+    armed = started_and_armed(policy, preloads, service_cleanup)
     assert armed["kv_ahead"] is (kv_ahead == "always") and armed["state"] == "prepared"
     assert listeners(port_of(policy)) == [json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]]
     r = run_cli("restart", "--policy", policy, "--strategy", "standby", "--json")
@@ -419,3 +423,79 @@ def test_a_canary_ahead_that_cannot_be_written_leaves_the_promotion_its_own(make
     assert r.returncode == 0 and rec["served_by"] == "standby" and rec["proof"]["canary_identical"] is True, rec
     assert rec["first_completion_s"] is not None, rec  # its canary asked on the service's port, none ahead
     assert listeners(port_of(policy)) == [sb["pid"]]
+
+
+def ranks_of(pid: int) -> list[int]:
+    """The standby's tensor-parallel workers (its children running --worker-rank)."""
+    from restartkit.process.procfs import argv, tree_pids
+    return [p for p in tree_pids(pid) if p != pid and "--worker-rank" in argv(p)]
+
+
+@pytest.mark.parametrize("kv_ahead", ["never", "always"])
+def test_a_tensor_parallel_standby_waits_with_every_rank_and_is_promoted(make_policy, sockdir, preloads,
+                                                                        service_cleanup, kv_ahead):
+    """At tensor_parallel_size 2 the standby's second rank prepares on its own weight cache and waits with rank 0
+    (no collective, no KV cache before its go); promoted on a planned restart and after a crash, every rank
+    attached (an ipc hit), canary identical; `stop` takes both ranks down."""
+    policy = policy_with_standby(make_policy, sockdir, "tensor_parallel_size = 2\n", kv_ahead)
+    armed = started_and_armed(policy, preloads, service_cleanup)
+    workers = ranks_of(armed["pid"])
+    assert armed["state"] == "prepared" and len(workers) == 1, armed
+    engine = json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]
+    assert listeners(port_of(policy)) == [engine]  # armed, neither rank answers on the service's port
+    r = run_cli("restart", "--policy", policy, "--strategy", "standby", "--json")
+    rec = json.loads(r.stdout)
+    assert r.returncode == 0 and rec["served_by"] == "standby" and rec["proof"]["canary_identical"] is True, rec
+    assert rec["attempts"][-1]["proof"]["ranks"] == ["hit", "hit"], rec["attempts"][-1]["proof"]
+    assert standby_gone_engine(policy) == armed["pid"] and ranks_of(armed["pid"]) == workers
+    # a crash of the promoted engine: the next standby serves it
+    assert run_cli("standby", "arm", "--policy", policy).returncode == 0
+    nxt = standby(policy)
+    os.kill(armed["pid"], signal.SIGKILL)
+    wait_for(lambda: gone(armed["pid"]) and all(gone(w) for w in workers))  # its worker dies with it
+    r = run_cli("restart", "--policy", policy, "--reason", "crash", "--json")
+    rec = json.loads(r.stdout)
+    assert rec["reason"] == "crash" and rec["served_by"] == "standby" and rec["proof"]["canary_identical"] is True, rec
+    assert standby_gone_engine(policy) == nxt["pid"] and len(ranks_of(nxt["pid"])) == 1
+    both = [nxt["pid"], *ranks_of(nxt["pid"])]
+    assert run_cli("stop", "--policy", policy).returncode == 0
+    wait_for(lambda: all(gone(p) for p in both), 15)
+
+
+def test_a_tensor_parallel_standby_whose_worker_died_is_never_promoted(make_policy, sockdir, preloads,
+                                                                      service_cleanup):
+    """The standby's second rank killed while it waits: the standby says so and exits (rank 0 alone cannot
+    serve), is not promoted, and the restart is served by ipc with an identical canary."""
+    policy = policy_with_standby(make_policy, sockdir, "tensor_parallel_size = 2\n")
+    sb = started_and_armed(policy, preloads, service_cleanup)
+    os.kill(ranks_of(sb["pid"])[0], signal.SIGKILL)
+    wait_for(lambda: gone(sb["pid"]))
+    status = json.loads((policy.parent / "state" / "svc" / "standby-status.json").read_text())
+    assert status["state"] == "failed" and "tensor-parallel worker PID" in status["error"], status
+    r = run_cli("restart", "--policy", policy, "--json")
+    rec = json.loads(r.stdout)
+    why = {v["strategy"]: " ".join(v["reasons"]) for v in rec["plan"]["strategies"]}
+    assert "is gone" in why["standby"] or "failed" in why["standby"], why
+    assert rec["served_by"] == "ipc" and rec["proof"]["canary_identical"] is True, rec
+
+
+def test_a_tensor_parallel_standby_with_one_rank_off_the_cache_is_not_promoted(make_policy, sockdir, preloads,
+                                                                              service_cleanup):
+    """Rank 1's weight-cache daemon gone before the standby is armed: that rank loads from disk ([ipc] fallback),
+    so the standby is no weight-cache hit; its promotion is refused naming the ranks, and the restart
+    recovers with an identical canary."""
+    import psutil
+    policy = policy_with_standby(make_policy, sockdir, "tensor_parallel_size = 2\n")
+    service_cleanup(policy)
+    launcher = start_preload(policy, preloads)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    daemons = [c for c in psutil.Process(launcher.pid).children() if "restartkit.weightcache.daemon" in " ".join(c.cmdline())]
+    rank1 = next(d for d in daemons if "--tp-rank 1" in " ".join(d.cmdline()))
+    rank1.kill()
+    rank1.wait(10)
+    assert run_cli("standby", "arm", "--policy", policy).returncode == 0
+    r = run_cli("restart", "--policy", policy, "--strategy", "standby", "--json")
+    rec = json.loads(r.stdout)
+    first = rec["attempts"][0]
+    assert first["strategy"] == "standby" and "on every rank: ranks ['hit', 'fallback']" in first["error"], first
+    assert rec["served_by"] != "standby" and rec["proof"]["canary_identical"] is True, rec

@@ -7,7 +7,8 @@ It is the reference engine in prepare-only mode with no activation deadline: it 
 private loopback port only, never on the service's, until it is promoted (SIGUSR1: activate;
 SIGUSR2: take the public port, SO_REUSEPORT).  `standby.json` in the state dir names it (PID and
 start ticks, what it was armed with: engine version, code, weights); `standby-status.json` is the
-engine's own account of its state (preparing, prepared, active, ready, failed).
+engine's own account of its state (preparing, prepared, active, ready, failed).  At tensor parallel
+size > 1 its workers prepare with it and wait for rank 0's go (restartkit.reference.workers).
 """
 from __future__ import annotations
 
@@ -132,6 +133,9 @@ def kv_ahead(service) -> tuple[bool, str]:
         return want == "always", f"[standby] kv_ahead = {want!r}"
     if service.policy.service["device"] != "cuda":
         return False, "on the CPU an activated standby would take the serving engine's cores while it waits"
+    if (tp := service.policy.service["tensor_parallel_size"]) > 1:
+        return False, (f"at tensor_parallel_size {tp} only GPU 0's free memory would be known; the KV caches are "
+                       "allocated at promotion (kv_ahead = \"always\" allocates them ahead on every rank)")
     try:
         kv = service.adapter.stats(service.policy, timeout=5).get("kv_cache_bytes") or 0
     except Exception:
@@ -216,10 +220,6 @@ def stale(service, rec: dict) -> str | None:
 
 
 def _rss(pid: int) -> int | None:
-    try:
-        for line in open(f"/proc/{pid}/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    """Resident memory of the standby and its tensor-parallel ranks (its children)."""
+    from restartkit.process.memory import tree_memory
+    return tree_memory(pid, "cpu")

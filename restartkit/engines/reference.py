@@ -18,7 +18,8 @@ class ReferenceAdapter(EngineAdapter):
 
     def overlap_problem(self, policy) -> str | None:
         if policy.service["tensor_parallel_size"] > 1:
-            return "an engine prepared beside the old one runs one rank only (tensor_parallel_size 1)"
+            return ("an engine prepared beside the old one is built and tested at tensor_parallel_size 1 only "
+                    "(two engines' ranks on the same devices at once are not)")
         return None
 
     def launch(self, policy, extra_args=()) -> LaunchSpec:

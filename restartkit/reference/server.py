@@ -107,12 +107,17 @@ def serve_prepared(args: argparse.Namespace) -> int:
     activate = threading.Event()
     if args.activate_ahead:  # a standby with memory to spare: its KV cache and graph are ready before it is needed
         activate.set()
+    workers, go, prepared = _prepared_workers(args)
 
     def gate():
+        if workers:  # prepared means every rank prepared
+            _read_exactly(prepared, len(workers), "a tensor-parallel worker exited while it prepared")
         _write_status(args.status_file, state="prepared", admin_port=admin_port, phases=state.phases)
         log("prepared; waiting for SIGUSR1 to activate")
         if not activate.wait(args.activate_timeout):
             raise TimeoutError(f"not activated within {args.activate_timeout:.0f} s")
+        if go is not None:  # the other ranks activate with this one (their KV caches, the warm-up's collectives)
+            os.write(go, b"x" * len(workers))
 
     threading.Thread(target=_load, args=(args, state, outcome, gate), daemon=True).start()
     public, publish, announced = None, False, False
@@ -128,10 +133,11 @@ def serve_prepared(args: argparse.Namespace) -> int:
         if state.ready and not announced:
             _write_status(args.status_file, state="active", admin_port=admin_port, phases=state.phases)
             announced = True
-        if "error" in outcome:
-            log(f"start failed: {outcome['error']}")
-            _write_status(args.status_file, state="failed", admin_port=admin_port, error=outcome["error"])
-            return 1
+        if "error" in outcome or (dead := [w for w in workers if w.poll() is not None]):
+            error = outcome.get("error") or f"tensor-parallel worker PID {dead[0].pid} exited with code {dead[0].returncode}"
+            log(f"start failed: {error}")
+            _write_status(args.status_file, state="failed", admin_port=admin_port, error=error)
+            os._exit(1)  # rank 0 may be blocked in a collective with a dead rank; the others die with this one
         if state.ready and publish and public is None:
             try:
                 public = EngineServer((args.host, args.port), state, reuse_port=True)
@@ -149,8 +155,37 @@ def serve_prepared(args: argparse.Namespace) -> int:
             srv.shutdown()
             srv.server_close()
     state.drain()
+    if state.engine is not None:
+        state.engine.shutdown_workers()
+    if go is not None:
+        os.close(go)  # workers still waiting to activate see EOF and exit
+    _stop_workers(workers)
     log("stopped")
     return 0
+
+
+def _prepared_workers(args) -> tuple[list, int | None, int | None]:
+    """Tensor parallel in prepare-only mode: ranks 1..tp-1, each saying on a pipe when it is prepared and
+    waiting on another for this rank's go (workers.spawn_workers); (workers, go's write end, prepared's
+    read end)."""
+    if args.tensor_parallel_size == 1:
+        return [], None, None
+    go_r, go_w = os.pipe()
+    prepared_r, prepared_w = os.pipe()
+    try:
+        return spawn_workers(args, gate=(go_r, prepared_w)), go_w, prepared_r
+    finally:
+        os.close(go_r)
+        os.close(prepared_w)
+
+
+def _read_exactly(fd: int, n: int, eof: str) -> None:
+    got = 0
+    while got < n:
+        chunk = os.read(fd, n - got)
+        if not chunk:
+            raise RuntimeError(eof)
+        got += len(chunk)
 
 
 def main(argv=None) -> int:
