@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from supervise_bench import ROOT, cli, gpu_mib  # noqa: E402
 
 
-def planned(work: Path, device: str, preset: str, repeat: int, kv_ahead: str, port: int, overlap: bool) -> list[dict]:
+def planned(work: Path, device: str, preset: str, repeat: int, kv_ahead: str, port: int, overlap: bool,
+            tp: int = 1) -> list[dict]:
     model = work / preset
     if not (model / "config.json").exists():
         cli("model", "create", "--preset", preset, "--out", model, "--device", device, check=True)
@@ -42,6 +43,7 @@ model = "{model}"
 port = {port}
 device = "{device}"
 max_model_len = 512
+tensor_parallel_size = {tp}
 state_dir = "{work / 'state'}"
 [restart]
 start_timeout_s = 600
@@ -104,6 +106,7 @@ def main() -> int:
     p.add_argument("--work", default="/tmp/rk-standby")
     p.add_argument("--overlap", action="store_true", help="[restart] overlap: the standby takes the port beside the old engine")
     p.add_argument("--no-crash", action="store_true", help="planned restarts only")
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (a GPU per rank)")
     p.add_argument("--save", help="write this run's medians to this JSON file (for --against in a later run)")
     p.add_argument("--against", help="another preset's --save file: the cost must not grow with the weights "
                    "(crash and planned medians within +0.1 s of it)")
@@ -111,8 +114,8 @@ def main() -> int:
     a = p.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    runs = planned(work, a.device, a.preset, a.repeat, a.kv_ahead, 8771, a.overlap)
-    print(f"\nplanned restarts through the standby ({a.preset}, {a.device}, {time.strftime('%Y-%m-%d %H:%M %Z')})")
+    runs = planned(work, a.device, a.preset, a.repeat, a.kv_ahead, 8771, a.overlap, a.tp)
+    print(f"\nplanned restarts through the standby ({a.preset}, {a.device}, TP{a.tp}, {time.strftime('%Y-%m-%d %H:%M %Z')})")
     for r in runs:
         print(f"  {r['served_by']}: time to ready {r['time_to_ready_s']} s, phases {r['phases']}, canary "
               f"{r['canary_identical']}, standby {r['standby_gpu_mib']} MiB device / {r['standby_rss_mb']} MB resident, "
@@ -135,7 +138,7 @@ def main() -> int:
     crash = subprocess.run([sys.executable, str(ROOT / "scripts" / "supervise_bench.py"), "--device", a.device,
                             "--preset", a.preset, "--kills", str(a.kills), "--modes", a.modes, "--work",
                             str(work / "supervise"), "--model", str(work / a.preset), "--watchdog-sec", "0",
-                            "--kv-ahead", a.kv_ahead],
+                            "--kv-ahead", a.kv_ahead, "--tp", str(a.tp)],
                            capture_output=True, text=True, cwd=ROOT)
     print(crash.stdout[-6000:])
     if crash.returncode and crash.stderr:
@@ -150,7 +153,7 @@ def main() -> int:
          median is not None and median <= 0.5),
         memory_verdict(a.device, mib),
     ]
-    mine = {"preset": a.preset, "device": a.device, "at": time.strftime("%Y-%m-%d %H:%M %Z"),
+    mine = {"preset": a.preset, "device": a.device, "tp": a.tp, "at": time.strftime("%Y-%m-%d %H:%M %Z"),
             "planned_median_s": statistics.median(ttr) if ttr else None, "crash_median_s": median,
             "standby_gpu_mib": max(mib) if mib else None}
     if a.save:

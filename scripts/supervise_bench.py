@@ -215,6 +215,7 @@ def main() -> int:
     p.add_argument("--sigterm-mid-restart", action="store_true")
     p.add_argument("--model", help="an existing checkpoint to use (default: WORK/PRESET, created when missing)")
     p.add_argument("--kv-ahead", default="auto", help="[standby] kv_ahead for --modes standby")
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (a GPU per rank)")
     a = p.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -229,6 +230,7 @@ model = "{model}"
 port = {a.port}
 device = "{a.device}"
 max_model_len = 512
+tensor_parallel_size = {a.tp}
 state_dir = "{work / 'state'}"
 [restart]
 start_timeout_s = 600
@@ -251,7 +253,7 @@ backoff_max_s = 0.01
                                        a.sigterm_mid_restart, standby=m == "standby")
         except Exception as e:  # one mode failing must not hide the others' results
             results[modes[m][0]] = {"runs": [], "error": f"{type(e).__name__}: {e}"}
-    print(f"\nsupervise: {a.kills} x SIGKILL of the engine ({a.preset}, {a.device}, {time.strftime('%Y-%m-%d %H:%M %Z')})")
+    print(f"\nsupervise: {a.kills} x SIGKILL of the engine ({a.preset}, {a.device}, TP{a.tp}, {time.strftime('%Y-%m-%d %H:%M %Z')})")
     verdicts = []
     for name, result in results.items():
         runs = result["runs"]
