@@ -499,3 +499,25 @@ def test_a_tensor_parallel_standby_with_one_rank_off_the_cache_is_not_promoted(m
     first = rec["attempts"][0]
     assert first["strategy"] == "standby" and "on every rank: ranks ['hit', 'fallback']" in first["error"], first
     assert rec["served_by"] != "standby" and rec["proof"]["canary_identical"] is True, rec
+
+
+def test_supervise_promotes_a_tensor_parallel_standby_when_a_worker_of_the_engine_dies(supervised, make_policy,
+                                                                                    sockdir, preloads):
+    """TP2 under supervise: the serving engine's second rank SIGKILLed (rank 0 alone cannot serve, so it exits):
+    a crash, served by the standby with every rank a hit, and another standby armed with its worker."""
+    policy = policy_with_standby(make_policy, sockdir, "tensor_parallel_size = 2\n")
+    start_preload(policy, preloads)
+    s = supervised(policy)
+    first = wait_for(lambda: (sb := standby(policy)) and sb["state"] == "prepared" and sb)
+    engine = s.status()["pid"]
+    worker = ranks_of(engine)[0]
+    os.kill(worker, signal.SIGKILL)
+    rec = s.wait_record(1)
+    assert rec["reason"] == "crash" and rec["served_by"] == "standby" and not rec["via_recovery"], rec
+    assert rec["proof"]["canary_identical"] is True and rec["attempts"][-1]["proof"]["ranks"] == ["hit", "hit"]
+    assert s.status()["pid"] == first["pid"] and gone(engine)
+    second = wait_for(lambda: (sb := standby(policy)) and sb["state"] == "prepared" and sb["pid"] != first["pid"] and sb)
+    assert len(ranks_of(second["pid"])) == 1 and listeners(port_of(policy)) == [first["pid"]]
+    os.killpg(s.proc.pid, signal.SIGTERM)
+    assert s.proc.wait(30) == 0
+    assert gone(second["pid"])
