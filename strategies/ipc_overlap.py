@@ -92,10 +92,10 @@ def _activate(service, new, status_path, out: Outcome, old, deadline_s: float | 
     new_stats = http.get(private + "/admin/stats", timeout=10)
     load = new_stats.get("load") or {}
     ranks = load.get("ranks") or [load.get("ipc")]  # tensor parallel (a standby): every rank's own attach
-    out.proof.update(ipc=load.get("ipc") if all(r == "hit" for r in ranks) else "mixed" if "hit" in ranks else
-                     load.get("ipc"), ranks=ranks, mode=load.get("mode"), attach_s=load.get("attach_s"),
+    verdict = "hit" if all(r == "hit" for r in ranks) else "mixed" if "hit" in ranks else load.get("ipc")
+    out.proof.update(ipc=verdict, ranks=ranks, mode=load.get("mode"), attach_s=load.get("attach_s"),
                      new_pid=new.pid, old_pid=old.pid if old is not None else None, private_port=st["admin_port"])
-    if out.proof["ipc"] != "hit":
+    if verdict != "hit":
         raise RuntimeError(f"the new engine did not attach from the weight cache on every rank: ranks {ranks} "
                            f"({load.get('fallback_reason')})")
     if service.policy.service["draft_model"]:

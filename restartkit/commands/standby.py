@@ -22,6 +22,7 @@ from pathlib import Path
 
 from restartkit.files import write_json_atomic
 from restartkit.process.engine import EngineProcess
+from restartkit.process.memory import tree_memory
 from restartkit.process.procfs import kill_tree, proc_start_ticks
 
 STANDBY = "standby.json"
@@ -171,7 +172,7 @@ def state(service) -> dict | None:
         rec["prepared_at"] = st.get("at")
         rec["prepare_s"] = round(st["at"] - rec["armed_at"], 3) if st.get("at") else None
         rec["phases"] = st.get("phases") or {}
-    rec["rss_bytes"] = _rss(rec["pid"]) if rec["alive"] else None
+    rec["rss_bytes"] = tree_memory(rec["pid"], "cpu") if rec["alive"] else None  # its tensor-parallel ranks too
     return rec
 
 
@@ -218,8 +219,3 @@ def stale(service, rec: dict) -> str | None:
         return "the weights on disk changed since it was armed"
     return None
 
-
-def _rss(pid: int) -> int | None:
-    """Resident memory of the standby and its tensor-parallel ranks (its children)."""
-    from restartkit.process.memory import tree_memory
-    return tree_memory(pid, "cpu")

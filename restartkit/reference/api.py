@@ -439,9 +439,9 @@ class _Streamed:
         self.handler, self.ask, self.index, self.so_far = handler, ask, index, so_far
         self.done, self.at = 0, 0  # tokens whose logprobs were sent; the text offset after them
 
-    def __call__(self, piece: str, upto: int) -> None:
+    def __call__(self, piece: str) -> None:
         sf = self.so_far
-        lps = self.logprobs(sf.tokens[:upto], sf.logprobs[:upto], sf.top_logprobs[:upto] if self.ask.top_logprobs else None)
+        lps = self.logprobs(sf.tokens, sf.logprobs, sf.top_logprobs if self.ask.top_logprobs else None)
         self.handler._event(self.handler._chunk(self.ask, self.index, piece, None, lps))
 
     def logprobs(self, tokens: list[int], lps: list | None, tops: list | None) -> dict | None:
@@ -450,7 +450,7 @@ class _Streamed:
         if not self.ask.want_logprobs or first >= len(tokens):
             return None
         out = self.handler._logprobs_of(self.ask, tokens[first:], lps[first:], tops[first:] if tops else None, self.at)
-        if not self.ask.chat:
+        if not self.ask.chat:  # the offset after these tokens: the last one's, plus its text
             tok = self.handler.server.state.tokenizer
-            self.at += sum(len(tok.decode([t], skip_special_tokens=True)) for t in tokens[first:])
+            self.at = out["text_offset"][-1] + len(tok.decode([tokens[-1]], skip_special_tokens=True))
         return out

@@ -228,9 +228,8 @@ def render_chat(template: str, messages: list[dict], special: dict) -> str:
 class TextSoFar:
     """The completion's text as its tokens come (the engine's on_token): what may be sent already
     (not a byte of a character still incomplete, not what may turn out to start a stop string), and
-    where a stop string ends it (OpenAI leaves the stop string out of the text).  `send(piece, upto)`:
-    the piece covers the tokens up to `upto` (the tokens whose text it completes; their logprobs go
-    with it)."""
+    where a stop string ends it (OpenAI leaves the stop string out of the text).  `send(piece)`: the
+    piece covers the tokens seen so far (their logprobs go with it)."""
 
     def __init__(self, tokenizer, stop: list[str], send=None):
         self.tokenizer, self.stop, self.send = tokenizer, stop, send
@@ -269,7 +268,7 @@ class TextSoFar:
     def _send(self, upto: int) -> None:
         if self.send is not None and upto > self.sent and not self.gone:
             try:
-                self.send(self.text[self.sent:upto] if upto <= len(self.text) else self.text[self.sent:], len(self.tokens))
+                self.send(self.text[self.sent:upto] if upto <= len(self.text) else self.text[self.sent:])
             except OSError:
                 self.gone = True
         self.sent = max(self.sent, upto)

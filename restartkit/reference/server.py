@@ -58,9 +58,8 @@ def serve(args: argparse.Namespace) -> int:
             server.shutdown()
             _stop_workers(workers)
             return 1
-        dead = [w for w in workers if w.poll() is not None]
-        if dead:
-            log(f"tensor-parallel worker PID {dead[0].pid} exited with code {dead[0].returncode}; stopping")
+        if dead := _dead_worker(workers):
+            log(f"{dead}; stopping")
             server.shutdown()
             _stop_workers(workers)
             os._exit(1)  # rank 0 may be blocked in a collective with the dead rank
@@ -133,8 +132,7 @@ def serve_prepared(args: argparse.Namespace) -> int:
         if state.ready and not announced:
             _write_status(args.status_file, state="active", admin_port=admin_port, phases=state.phases)
             announced = True
-        if "error" in outcome or (dead := [w for w in workers if w.poll() is not None]):
-            error = outcome.get("error") or f"tensor-parallel worker PID {dead[0].pid} exited with code {dead[0].returncode}"
+        if error := outcome.get("error") or _dead_worker(workers):
             log(f"start failed: {error}")
             _write_status(args.status_file, state="failed", admin_port=admin_port, error=error)
             os._exit(1)  # rank 0 may be blocked in a collective with a dead rank; the others die with this one
@@ -177,6 +175,12 @@ def _prepared_workers(args) -> tuple[list, int | None, int | None]:
     finally:
         os.close(go_r)
         os.close(prepared_w)
+
+
+def _dead_worker(workers) -> str | None:
+    """What a tensor-parallel worker that exited left to say (rank 0 alone cannot serve), or None."""
+    dead = next((w for w in workers if w.poll() is not None), None)
+    return None if dead is None else f"tensor-parallel worker PID {dead.pid} exited with code {dead.returncode}"
 
 
 def _read_exactly(fd: int, n: int, eof: str) -> None:

@@ -39,12 +39,7 @@ def _gate(fds: str):
     def wait() -> None:
         os.write(prepared, b"x")
         os.close(prepared)
-        while True:
-            try:
-                got = os.read(go, 1)
-            except InterruptedError:
-                continue
-            break
+        got = os.read(go, 1)
         os.close(go)
         if not got:
             os._exit(0)  # rank 0 stopped before activating: nothing to serve
