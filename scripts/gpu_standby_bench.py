@@ -125,12 +125,23 @@ def main() -> int:
     mib = [r["standby_gpu_mib"] for r in runs if r["standby_gpu_mib"] is not None]
     downs = [r["downtime"]["downtime_s"] for r in runs if (r["downtime"] or {}).get("downtime_s") is not None]
     if a.no_crash:
-        verdicts = [(f"planned restart --strategy standby: time to ready median {statistics.median(ttr) if ttr else None}"
-                     f" s (<= 0.3 s)", bool(ttr) and statistics.median(ttr) <= 0.3),
-                    memory_verdict(a.device, mib)]
+        if a.remove_model:
+            shutil.rmtree(work / a.preset, ignore_errors=True)
+        verdicts = [memory_verdict(a.device, mib)]
+        if runs and all(r["beside"] for r in runs):
+            # Beside the old engine the port never closes: "ready" waits for the old engine's drain while the
+            # standby already serves, so the target is the downtime clients see, not the time to ready.
+            print(f"  (time to ready beside the old engine, not downtime: median "
+                  f"{statistics.median(ttr) if ttr else None} s)")
+        else:
+            verdicts.insert(0, (f"planned restart --strategy standby: time to ready median "
+                                f"{statistics.median(ttr) if ttr else None} s (<= 0.3 s)",
+                                bool(ttr) and statistics.median(ttr) <= 0.3))
         if a.overlap:
             verdicts.append((f"downtime beside the old engine: median {statistics.median(downs) if downs else None} s"
                              " (<= 0.1 s)", bool(downs) and statistics.median(downs) <= 0.1))
+        verdicts.append((f"canary identical in every run, {len(ttr)}/{len(runs)} served by standby",
+                         bool(runs) and len(ttr) == len(runs) and all(r["canary_identical"] for r in runs)))
         print("verdict")
         for what, ok in verdicts:
             print(f"  {'ok  ' if ok else 'FAIL'} {what}")
