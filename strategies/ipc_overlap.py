@@ -3,11 +3,12 @@
 The new engine starts in prepare-only mode: process start, imports, device
 context, weights attached from the weight cache, model built, on a private
 loopback port.  Then it is activated (KV cache, warm-up, graph capture) and
-takes the public port beside the old engine (SO_REUSEPORT: the kernel hands
-new connections to both, so the port is never closed); it is checked alone on
-its private port (a real completion and the canary); only then is the old
-engine drained and stopped.  Any failure before that leaves the old engine
-serving and says why.
+checked alone on its private port (a real completion and the canary); then it
+takes the public port beside the old engine (SO_REUSEPORT, the port never
+closed; from then on the kernel hands every new connection to the new engine:
+restartkit.reference.reuseport), and the old engine is drained and stopped
+(it answers what it accepted, and what was still queued on its listener).
+Any failure before that leaves the old engine serving and says why.
 
 Why SO_REUSEPORT rather than passing the listening socket from restartkit:
 restartkit is not a long-lived parent of the engine, and a socket passed at

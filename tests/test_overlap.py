@@ -3,7 +3,9 @@ the old one serves, takes the port beside it, and only then is the old one
 stopped.  No wrong answers, downtime measured; a new engine that fails to
 prepare leaves the old one serving."""
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -13,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, free_port, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -140,3 +142,122 @@ def test_prestarted_restart_activates_after_the_old_engine_stopped(overlap_servi
     assert rec["downtime"]["downtime_s"] is not None and rec["downtime"]["downtime_s"] < a["engine_phases"]["ready_since_spawn"]
     status = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
     assert status["serving"] and status["pid"] == a["proof"]["new_pid"] != old_pid
+
+
+def engine_on(port, model, *extra) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "restartkit.reference.server", "--model", str(model), "--port",
+                             str(port), "--max-model-len", "256", "--threads", "1", "--reuse-port", *extra],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def answered_by(port) -> int:
+    """The PID of the engine that answers a new connection."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/stats", timeout=10) as r:
+        return json.load(r)["pid"]
+
+
+def wait_answering(port, proc, timeout=120):
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            if answered_by(port) == proc.pid:
+                return
+        except OSError:
+            pass
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.monotonic() < end, "the engine did not answer on the port"
+        time.sleep(0.05)
+
+
+def test_an_engine_taking_the_port_beside_another_takes_every_new_connection(tiny_model):
+    """SO_REUSEPORT alone spreads new connections over both engines by hash, so the old one keeps
+    being handed about half of them until it closes (and closing resets those queued on it).  The
+    engine that joins takes them all; the old one only finishes what it had.  Three generations:
+    the third joins beside the second once the first is gone."""
+    port = free_port()
+    procs = [engine_on(port, tiny_model)]
+    try:
+        wait_answering(port, procs[0])
+        for generation in (1, 2):
+            procs.append(engine_on(port, tiny_model))
+            wait_answering(port, procs[-1])
+            assert {answered_by(port) for _ in range(30)} == {procs[-1].pid}  # by hash: 2**-29 to pass
+            old = procs[-2]
+            old.terminate()
+            assert old.wait(60) == 0
+            assert {answered_by(port) for _ in range(10)} == {procs[-1].pid}
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_a_stopping_engine_answers_the_connections_queued_on_its_listener(tiny_model):
+    """Closing a listener resets the connections in its queue.  Beside a successor (SO_REUSEPORT) the
+    kernel keeps queuing some of the new connections on the old engine's listener until it closes, so a
+    client saw a reset in an overlapped restart on the H200 (1 request of 2 restarts).  Here the engine
+    is stopped (SIGSTOP) while 20 clients connect and send a completion, then asked to stop: every one
+    is answered (all 20 were reset before; past the 6th they were not even accepted into the queue)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "restartkit.reference.server", "--model", str(tiny_model),
+                             "--port", str(port), "--max-model-len", "256", "--threads", "1", "--reuse-port"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        end = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < end, "the engine did not get ready"
+                time.sleep(0.1)
+        body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 2, "temperature": 0}).encode()
+        request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+        os.kill(proc.pid, signal.SIGSTOP)  # nothing accepts: the connections wait in the listener's queue
+        clients = []
+        for _ in range(20):
+            c = socket.create_connection(("127.0.0.1", port), timeout=30)
+            c.sendall(request)
+            clients.append(c)
+        os.kill(proc.pid, signal.SIGTERM)
+        os.kill(proc.pid, signal.SIGCONT)
+        answers = []
+        for c in clients:
+            data = b""
+            try:
+                while chunk := c.recv(65536):
+                    data += chunk
+            except OSError as e:
+                data = repr(e).encode()
+            c.close()
+            answers.append(data.split(b"\r\n", 1)[0])
+        assert proc.wait(60) == 0, proc.stderr.read().decode()[-2000:]
+        assert answers == [b"HTTP/1.1 200 OK"] * 20, answers
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # stopped or not
+        proc.wait()
+
+
+def test_a_stopping_engine_says_so_and_sends_keep_alive_clients_to_a_new_connection():
+    """While it drains, /health says "stopping" and every answer says Connection: close, so a client's
+    next request opens a new connection, which reaches the engine after this one."""
+    import http.client
+
+    from restartkit.reference.api import EngineServer, State
+    state = State("m")
+    server = EngineServer(("127.0.0.1", 0), state)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        assert (r.status, json.loads(r.read())["status"], r.getheader("Connection")) == (503, "loading", None)
+        state.stopping = True
+        conn.request("GET", "/health")  # the same connection, kept alive
+        r = conn.getresponse()
+        assert (r.status, json.loads(r.read())["status"], r.getheader("Connection")) == (503, "stopping", "close")
+        conn.close()
+    finally:
+        server.stop_listening()

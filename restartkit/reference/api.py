@@ -20,10 +20,12 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 from restartkit.reference.log import log
+from restartkit.reference.reuseport import take_new_connections
 
 MAX_BODY = 1 << 20
 
@@ -37,6 +39,10 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
 class EngineServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # socketserver's default of 5 drops the SYNs of a burst of new clients while the accept thread waits
+    # for the GIL: each dropped one costs its client a second or more before it retries
+    request_queue_size = 1024
+    QUEUED_IDLE_S = 2.0  # a connection found queued at stop that sends nothing is closed after this
 
     def __init__(self, addr, engine_state, reuse_port: bool = False):
         self.reuse_port = reuse_port
@@ -48,6 +54,34 @@ class EngineServer(ThreadingHTTPServer):
             import socket
             self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         super().server_bind()
+
+    def server_activate(self):
+        super().server_activate()
+        # beside the engine before: every new connection comes here (restartkit.reference.reuseport)
+        self.takes_new_connections = self.reuse_port and take_new_connections(self.socket)
+
+    def stop_listening(self) -> list[threading.Thread]:
+        """Stop accepting, answer what is still queued on the listener, then close it.  Closing a listener
+        resets the connections in its queue: clients that the kernel gave this engine (with SO_REUSEPORT,
+        while its successor already listens beside it) would see a reset instead of an answer.  Returns
+        the threads answering them.  A connection queued in the microseconds between the last accept and
+        the close is still reset, unless the successor took every new connection (server_activate) or the
+        kernel hands it over (net.ipv4.tcp_migrate_req = 1)."""
+        self.state.stopping = True
+        self.shutdown()
+        self.socket.setblocking(False)
+        threads = []
+        while True:
+            try:
+                conn, addr = self.socket.accept()
+            except OSError:  # BlockingIOError: the queue is empty
+                break
+            conn.settimeout(self.QUEUED_IDLE_S)
+            t = threading.Thread(target=self.process_request_thread, args=(conn, addr), daemon=True)
+            t.start()
+            threads.append(t)
+        self.server_close()
+        return threads
 
 
 class State:
@@ -64,15 +98,19 @@ class State:
         self.requests = 0
         self.inflight = 0  # requests between being read and their answer written
         self.inflight_lock = threading.Lock()
+        self.stopping = False  # /health says so; what reaches the engine is still answered, then its connection closed
         self.chat_template: str | None = None  # the tokenizer's, if it has one
         self.special_tokens: dict = {}
         self.sleeper = None  # set when the engine runs with --enable-sleep-mode
         self.prepared_mode = False
         self.sleep_public = False
 
-    def drain(self, deadline_s: float = 30.0) -> int:
-        """Wait until every request in flight has its answer written; returns how many were left."""
+    def drain(self, deadline_s: float = 30.0, queued: Iterable[threading.Thread] = ()) -> int:
+        """Wait until every request in flight has its answer written, and the connections found queued at
+        stop theirs (EngineServer.stop_listening); returns how many requests were left."""
         end = time.monotonic() + deadline_s
+        for t in queued:
+            t.join(max(0.0, end - time.monotonic()))
         while self.inflight and time.monotonic() < end:
             time.sleep(0.005)
         return self.inflight
@@ -93,6 +131,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         if code == 503:  # loading, asleep, its KV cache dropped for a snapshot: back in a moment
             self.send_header("Retry-After", "1")
+        if self.server.state.stopping:  # the next request goes to a new connection, to the engine after this one
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
@@ -154,6 +194,8 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/health":
             if st.sleeper is not None and st.sleeper.asleep:
                 self._send(503, {"status": "asleep", "level": st.sleeper.level})
+            elif st.stopping:
+                self._send(503, {"status": "stopping"})
             elif st.ready:
                 self._send(200, {"status": "ready"})
             else:
@@ -282,7 +324,7 @@ class Handler(BaseHTTPRequestHandler):
         st = self.server.state
         eng = st.engine
         out = {
-            "pid": os.getpid(), "ready": st.ready, "model": st.model_name,
+            "pid": os.getpid(), "ready": st.ready and not st.stopping, "model": st.model_name,
             "phases": st.phases, "requests": st.requests,
             "started_at": st.started_at, "ready_at": st.ready_at,
         }

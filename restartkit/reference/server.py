@@ -44,7 +44,8 @@ def serve(args: argparse.Namespace) -> int:
     # with sigtimedwait: handlers do nothing, the loop below acts.
     block_stop_signals()
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
-    log(f"listening on http://{args.host}:{server.server_address[1]} (loading {args.model})")
+    log(f"listening on http://{args.host}:{server.server_address[1]} (loading {args.model})"
+        + (", taking every new connection from the engine beside it" if server.takes_new_connections else ""))
     workers = spawn_workers(args) if args.tensor_parallel_size > 1 else []
     outcome: dict = {}
     loader = threading.Thread(target=_load, args=(args, state, outcome), daemon=True)
@@ -64,12 +65,9 @@ def serve(args: argparse.Namespace) -> int:
             _stop_workers(workers)
             os._exit(1)  # rank 0 may be blocked in a collective with the dead rank
     log(f"received {signal.Signals(signo).name}; finishing in-flight requests")
-    state.ready = False
-    # Close the listener first: connections queued on it would wait for
-    # nothing (with SO_REUSEPORT the other engine takes new ones at once).
-    server.shutdown()
-    server.server_close()
-    left = state.drain()
+    # Close the listener first (with SO_REUSEPORT the other engine takes new connections at once), answering
+    # those already queued on it; the engine stays ready for what it accepted.
+    left = state.drain(queued=server.stop_listening())
     if state.engine is not None:
         state.engine.shutdown_workers()
     _stop_workers(workers)
@@ -145,14 +143,11 @@ def serve_prepared(args: argparse.Namespace) -> int:
                 return 98
             threading.Thread(target=public.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
             _write_status(args.status_file, state="ready", admin_port=admin_port, phases=state.phases)
-            log(f"active: listening on http://{args.host}:{args.port} too")
+            log(f"active: listening on http://{args.host}:{args.port} too"
+                + (", taking every new connection" if public.takes_new_connections else ""))
     log(f"received {signal.Signals(signo).name}; finishing in-flight requests")
-    state.ready = False
-    for srv in (public, private):
-        if srv is not None:
-            srv.shutdown()
-            srv.server_close()
-    state.drain()
+    queued = [t for srv in (public, private) if srv is not None for t in srv.stop_listening()]
+    state.drain(queued=queued)
     if state.engine is not None:
         state.engine.shutdown_workers()
     if go is not None:
