@@ -261,3 +261,15 @@ def test_a_stopping_engine_says_so_and_sends_keep_alive_clients_to_a_new_connect
         conn.close()
     finally:
         server.stop_listening()
+
+
+def test_the_downtime_is_read_against_the_probes_own_cycle():
+    """The longest gap between two answered requests includes one answer's latency plus the interval;
+    the median gap says what that cycle is without a restart."""
+    from restartkit.downtime import DowntimeProbe
+    probe = DowntimeProbe(service=None)
+    probe.started_at = 0.0
+    probe.events = [(0.06 * i, True, "") for i in range(1, 6)] + [(0.35, False, "503"), (0.5, True, "")]
+    summary = probe.summary()
+    assert summary["downtime_s"] == 0.2 and summary["gap_from_s"] == 0.3 and summary["median_gap_s"] == 0.06
+    assert summary["failed"] == {"503": 1} and summary["answered"] == 6
