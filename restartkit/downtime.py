@@ -57,10 +57,12 @@ class DowntimeProbe:
             if not good:
                 errors[kind] = errors.get(kind, 0) + 1
         base = getattr(self, "started_at", 0.0)
+        cycles = [b[0] - a[0] for a, b in zip(self.events, self.events[1:]) if a[1] and b[1]]
         return {"requests": len(self.events), "answered": len(ok) - 1, "failed": errors,
                 "downtime_s": round(gaps[worst], 4) if gaps else None,
                 "gap_from_s": round(ok[worst] - base, 4) if gaps else None,
-                # the probe's own cycle (one answer's latency plus the interval): a downtime this long is none
-                "median_gap_s": round(statistics.median(gaps), 4) if gaps else None}
+                # the probe's own cycle while served (one answer's latency plus the interval, between two answers
+                # with no failure between them): a downtime this long is none
+                "median_gap_s": round(statistics.median(cycles), 4) if cycles else None}
 
 

@@ -47,10 +47,11 @@ def main() -> int:
 
 def verdict(res: dict) -> str:
     lines = ["", "downtime as a client saw it (longest gap between answered requests, one request every 20 ms)",
-             f"{'restart':<16}{'downtime s':>11}{'ready s':>9}  failed requests        canary  phases"]
+             f"{'restart':<16}{'downtime s':>11}{'cycle s':>9}{'ready s':>9}  failed requests        canary  phases"]
     for r in res["runs"]:
-        d = r["downtime"] or {}
-        lines.append(f"{r['kind']:<16}{d.get('downtime_s') or float('nan'):>11.3f}{r['time_to_ready_s'] or 0:>9.2f}  "
+        d = r["downtime"] or {}  # cycle: the probe's median gap, one answer plus the interval (no restart in it)
+        lines.append(f"{r['kind']:<16}{d.get('downtime_s') or float('nan'):>11.3f}"
+                     f"{d.get('median_gap_s') or float('nan'):>9.3f}{r['time_to_ready_s'] or 0:>9.2f}  "
                      f"{json.dumps(d.get('failed') or {}):<22} {'same' if r['canary_identical'] else r['canary_identical']!s:<6}  "
                      + ", ".join(f"{k} {v:.2f}" for k, v in (r.get("phases") or {}).items())
                      + (f"  RECOVERED: {r['recovery_reason']}" if r["via_recovery"] else ""))

@@ -269,7 +269,13 @@ def test_the_downtime_is_read_against_the_probes_own_cycle():
     from restartkit.downtime import DowntimeProbe
     probe = DowntimeProbe(service=None)
     probe.started_at = 0.0
-    probe.events = [(0.06 * i, True, "") for i in range(1, 6)] + [(0.35, False, "503"), (0.5, True, "")]
-    summary = probe.summary()
+    probe.events = [(0.06 * i, True, "") for i in range(1, 6)] + [(0.35, False, "503"), (0.5, True, ""),
+                                                                   (0.56, True, "")]
+    summary = probe.summary()  # the cycle: answers that follow each other, not the gap around the 503
     assert summary["downtime_s"] == 0.2 and summary["gap_from_s"] == 0.3 and summary["median_gap_s"] == 0.06
-    assert summary["failed"] == {"503": 1} and summary["answered"] == 6
+    assert summary["failed"] == {"503": 1} and summary["answered"] == 7
+    # a cold restart: few answers, refused requests between them; the cycle is still that of two answers in a row
+    probe.events = [(0.1, True, ""), (0.2, True, ""), (0.7, False, "connection"), (1.2, True, ""),
+                    (1.7, False, "503"), (2.2, True, ""), (2.7, False, "503"), (3.2, True, ""), (3.3, True, "")]
+    summary = probe.summary()
+    assert summary["median_gap_s"] == 0.1 and summary["downtime_s"] == 1.0 and summary["answered"] == 6
