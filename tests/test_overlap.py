@@ -157,10 +157,11 @@ def answered_by(port) -> int:
 
 
 def wait_answering(port, proc, timeout=120):
+    """Until it answers ten new connections in a row (ready, it takes over within its 0.2 s signal poll)."""
     end = time.monotonic() + timeout
     while True:
         try:
-            if answered_by(port) == proc.pid:
+            if all(answered_by(port) == proc.pid for _ in range(10)):
                 return
         except OSError:
             pass

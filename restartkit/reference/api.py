@@ -55,17 +55,17 @@ class EngineServer(ThreadingHTTPServer):
             self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         super().server_bind()
 
-    def server_activate(self):
-        super().server_activate()
-        # beside the engine before: every new connection comes here (restartkit.reference.reuseport)
-        self.takes_new_connections = self.reuse_port and take_new_connections(self.socket)
+    def take_new_connections(self) -> bool:
+        """Once ready, beside the engine before on the port: every new connection comes here
+        (restartkit.reference.reuseport); the one before finishes what it has."""
+        return self.reuse_port and take_new_connections(self.socket)
 
     def stop_listening(self) -> list[threading.Thread]:
         """Stop accepting, answer what is still queued on the listener, then close it.  Closing a listener
         resets the connections in its queue: clients that the kernel gave this engine (with SO_REUSEPORT,
         while its successor already listens beside it) would see a reset instead of an answer.  Returns
         the threads answering them.  A connection queued in the microseconds between the last accept and
-        the close is still reset, unless the successor took every new connection (server_activate) or the
+        the close is still reset, unless the successor took every new connection (take_new_connections) or the
         kernel hands it over (net.ipv4.tcp_migrate_req = 1)."""
         self.state.stopping = True
         self.shutdown()

@@ -44,16 +44,20 @@ def serve(args: argparse.Namespace) -> int:
     # with sigtimedwait: handlers do nothing, the loop below acts.
     block_stop_signals()
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
-    log(f"listening on http://{args.host}:{server.server_address[1]} (loading {args.model})"
-        + (", taking every new connection from the engine beside it" if server.takes_new_connections else ""))
+    log(f"listening on http://{args.host}:{server.server_address[1]} (loading {args.model})")
     workers = spawn_workers(args) if args.tensor_parallel_size > 1 else []
     outcome: dict = {}
     loader = threading.Thread(target=_load, args=(args, state, outcome), daemon=True)
     loader.start()
+    taken = False
     while True:
         signo = next_stop_signal(0.2)
         if signo is not None:
             break
+        if state.ready and args.reuse_port and not taken:  # not while loading: it would answer 503s
+            taken = True
+            if server.take_new_connections():
+                log("ready: taking every new connection from the engine beside it on the port")
         if "error" in outcome:
             log(f"start failed: {outcome['error']}")
             server.shutdown()
@@ -142,9 +146,9 @@ def serve_prepared(args: argparse.Namespace) -> int:
                               error=f"cannot listen on {args.host}:{args.port}: {e.strerror}")
                 return 98
             threading.Thread(target=public.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+            took = public.take_new_connections()  # before "ready": then restartkit stops the engine before
             _write_status(args.status_file, state="ready", admin_port=admin_port, phases=state.phases)
-            log(f"active: listening on http://{args.host}:{args.port} too"
-                + (", taking every new connection" if public.takes_new_connections else ""))
+            log(f"active: listening on http://{args.host}:{args.port} too" + (", taking every new connection" if took else ""))
     log(f"received {signal.Signals(signo).name}; finishing in-flight requests")
     queued = [t for srv in (public, private) if srv is not None for t in srv.stop_listening()]
     state.drain(queued=queued)
