@@ -57,7 +57,7 @@ class DowntimeProbe:
             if not good:
                 errors[kind] = errors.get(kind, 0) + 1
         base = getattr(self, "started_at", 0.0)
-        cycles = [b[0] - a[0] for a, b in zip(self.events, self.events[1:]) if a[1] and b[1]]
+        cycles = [t2 - t1 for (t1, good1, _), (t2, good2, _) in zip(self.events, self.events[1:]) if good1 and good2]
         return {"requests": len(self.events), "answered": len(ok) - 1, "failed": errors,
                 "downtime_s": round(gaps[worst], 4) if gaps else None,
                 "gap_from_s": round(ok[worst] - base, 4) if gaps else None,

@@ -171,19 +171,22 @@ def environ_and_argv(pid: int) -> tuple[list[bytes], list[str]] | None:
     return environ, argv
 
 
-def _listen_inodes(port: int) -> set[str]:
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+def tcp_sockets(tables: tuple[str, ...] = ("/proc/net/tcp", "/proc/net/tcp6")) -> list[list[str]]:
+    """The rows of the kernel's TCP socket tables, split into columns: 1 the local address, 3 the state
+    ("0A": listening), 7 the owner's uid, 9 the inode.  A table that cannot be read gives none."""
+    rows = []
+    for table in tables:
         try:
             with open(table) as f:
                 next(f, None)
-                for line in f:
-                    cols = line.split()
-                    if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
-                        inodes.add(cols[9])
+                rows += [cols for cols in (line.split() for line in f) if len(cols) > 9]
         except OSError:
             continue
-    return inodes
+    return rows
+
+
+def _listen_inodes(port: int) -> set[str]:
+    return {cols[9] for cols in tcp_sockets() if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port}
 
 
 def port_has_listener(port: int) -> bool:

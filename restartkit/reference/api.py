@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 from restartkit.reference.log import log
-from restartkit.reference.reuseport import take_new_connections
+from restartkit.reference import reuseport
 
 MAX_BODY = 1 << 20
 
@@ -58,7 +58,7 @@ class EngineServer(ThreadingHTTPServer):
     def take_new_connections(self) -> bool:
         """Once ready, beside the engine before on the port: every new connection comes here
         (restartkit.reference.reuseport); the one before finishes what it has."""
-        return self.reuse_port and take_new_connections(self.socket)
+        return self.reuse_port and reuseport.take_new_connections(self.socket)
 
     def stop_listening(self) -> list[threading.Thread]:
         """Stop accepting, answer what is still queued on the listener, then close it.  Closing a listener

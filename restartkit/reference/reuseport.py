@@ -14,6 +14,8 @@ import os
 import socket
 import struct
 
+from restartkit.process.procfs import tcp_sockets
+
 SO_ATTACH_REUSEPORT_CBPF = getattr(socket, "SO_ATTACH_REUSEPORT_CBPF", 51)
 BPF_RET_K = 0x06  # BPF_RET | BPF_K: return the constant k
 
@@ -22,15 +24,11 @@ def group_index(sock: socket.socket) -> int | None:
     """This listener's index in its port's group: how many listeners of this user on the same address
     and port came before it (the kernel appends a new one).  None when /proc does not show it."""
     inode = str(os.fstat(sock.fileno()).st_ino)
-    try:
-        with open("/proc/net/tcp6" if sock.family == socket.AF_INET6 else "/proc/net/tcp") as f:
-            rows = [line.split() for line in f][1:]
-    except OSError:
-        return None
-    mine = next((r for r in rows if len(r) > 9 and r[9] == inode), None)
+    rows = tcp_sockets(("/proc/net/tcp6",) if sock.family == socket.AF_INET6 else ("/proc/net/tcp",))
+    mine = next((r for r in rows if r[9] == inode), None)
     if mine is None:
         return None
-    return sum(1 for r in rows if len(r) > 9 and r[3] == "0A" and r[1] == mine[1] and r[7] == mine[7]) - 1
+    return sum(1 for r in rows if r[3] == "0A" and r[1] == mine[1] and r[7] == mine[7]) - 1
 
 
 def take_new_connections(sock: socket.socket) -> bool:

@@ -54,7 +54,7 @@ def serve(args: argparse.Namespace) -> int:
         signo = next_stop_signal(0.2)
         if signo is not None:
             break
-        if state.ready and args.reuse_port and not taken:  # not while loading: it would answer 503s
+        if state.ready and not taken:  # not while loading: it would draw clients to its 503s
             taken = True
             if server.take_new_connections():
                 log("ready: taking every new connection from the engine beside it on the port")
