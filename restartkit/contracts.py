@@ -57,6 +57,7 @@ class ServiceFacts:
     model_digest: str | None = None  # the weights' identity (a local checkpoint's digest), for evidence
     loaded_digest: str | None = None  # the digest of the weights the running engine was started with (engine.json)
     stats: dict = field(default_factory=dict)  # what the live engine reports about itself (load, phases, sleep)
+    held_socket: dict | None = None  # the service's socket, held by its supervisor (restartkit.process.listener)
 
 
 @dataclass

@@ -234,6 +234,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                  doc="more failures than this within the interval: give up, engine left stopped, exit 1"),
         "backoff_s": Key((int, float), 1.0, check=_seconds, doc="pause before the second failure's restart, doubling"),
         "backoff_max_s": Key((int, float), 30.0, check=_seconds),
+        "min_uptime_s": Key((int, float), 5.0, check=_seconds,
+                            doc="an engine that served this long before it died did not fail to start: its crash is "
+                                "recovered at once and counts neither for the backoff nor for start_limit_burst "
+                                "(supervisord's startsecs)"),
     },
     "standby": {
         "enabled": Key(bool, False, doc="keep a standby engine armed (prepared on the weight cache, not listening): "

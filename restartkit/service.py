@@ -77,6 +77,9 @@ class Service:
         sf.engine_version = self.adapter.version()
         sf.overlap_problem = self.adapter.overlap_problem(self.policy)
         sf.engine_notes = self.adapter.plan_notes(self.policy)
+        held = self.engine.listener()
+        sf.held_socket = held.describe() if held is not None else None
+        sf.engine_notes.append(connections_note(self.adapter, sf.held_socket))
         if not sf.model_problem:
             from restartkit.weightcache.fingerprint import local_checkpoint_identity
             sf.model_digest = local_checkpoint_identity(s["model"]) or (f"{s['model']}@{s['revision']}" if s["revision"] else None)
@@ -116,3 +119,16 @@ class Service:
         if data.get("prompts") != self.policy.restart["canary_prompts"] or data.get("model") != self.policy.service["model"]:
             return None, "the stored canary is for other prompts or another model"
         return data["tokens"], time.strftime("stored canary from %Y-%m-%d %H:%M:%S", time.localtime(data["taken_at"]))
+
+
+def connections_note(adapter, held: dict | None) -> str:
+    """What a client connecting during this restart sees: kept waiting in a held socket's queue, or refused."""
+    if held is not None:
+        return (f"connections: the service's socket {held['address']} is held by `restartkit supervise` "
+                f"({held['source']}): no connection is refused while the engine changes; up to {held['backlog']} "
+                "wait in its queue until the next engine accepts")
+    if getattr(adapter, "serves_on_socket", False):
+        return ("connections: the engine binds its port itself: from its exit until the next engine listens, "
+                "connections are refused (`restartkit supervise` holds the socket across restarts)")
+    return (f"connections: {adapter.label} binds its port itself (it cannot serve on a socket it is given): "
+            "connections are refused while it restarts")

@@ -164,9 +164,21 @@ def revision_pinned(facts: Facts, policy) -> str | None:
             "to a 40-character commit id")
 
 
+def socket_not_held(facts: Facts, policy) -> str | None:
+    """CRIU re-creates and re-binds a restored process's listening TCP socket (it cannot hand it one it
+    inherits: --inherit-fd is not read for TCP sockets), which the service's held socket forbids."""
+    held = facts.service.held_socket
+    if held is None:
+        return None
+    return (f"the service's socket {held['address']} is held by `restartkit supervise`, and CRIU re-binds a "
+            "restored engine's listening socket itself (it cannot give it the held one): a restore under "
+            "supervise is not built; standby, ipc and cold serve on the held socket")
+
+
 SNAPSHOT_PREREQUISITES = [linux_x86_64, root_or_sudo, single_device, criu_usable, io_uring_off, revision_pinned,
                           not_ipc_attached, gpu_checkpoint_api, disk_room]
 # restoring a full snapshot does not care how the engine it replaces got its weights
-PREREQUISITES = [p for p in SNAPSHOT_PREREQUISITES if p is not not_ipc_attached] + [snapshot_ready]
+PREREQUISITES = [p for p in SNAPSHOT_PREREQUISITES if p is not not_ipc_attached] + [snapshot_ready, socket_not_held]
 WEIGHTLESS_PREREQUISITES = [linux_x86_64, root_or_sudo, single_device, criu_usable, io_uring_off, revision_pinned,
-                            gpu_checkpoint_api, weightless_snapshot_ready, weight_cache_matches_snapshot]
+                            gpu_checkpoint_api, weightless_snapshot_ready, weight_cache_matches_snapshot,
+                            socket_not_held]

@@ -54,9 +54,10 @@ def arm(service) -> dict:
                                                       "--activate-timeout", str(NO_DEADLINE_S)]
     if ahead:
         args.append("--activate-ahead")
-    proc, _ = service.engine.spawn("standby", args)
+    proc, _ = service.engine.spawn("standby", args)  # it inherits the service's held socket, if one is held
     proc.close_ready_fd()  # its readiness comes through the status file
     rec = {"pid": proc.pid, "start_ticks": proc.start_ticks, "create_time": proc.create_time,
+           "listen_inode": _held_inode(service),
            "armed_at": time.time(), "version": service.adapter.version(), "code": code_digest(),
            "model_digest": _disk_digest(service.policy.service["model"]), "status_file": str(status),
            "kv_ahead": ahead, "kv_ahead_why": why}
@@ -209,11 +210,19 @@ def disarm(service, timeout_s: float = 10.0) -> int | None:
     return rec["pid"]
 
 
+def _held_inode(service) -> int | None:
+    held = service.engine.listener()
+    return held.inode if held is not None else None
+
+
 def stale(service, rec: dict) -> str | None:
     """Why an armed standby may not be promoted for this service as it is now (None: it may)."""
     from restartkit.process.lifecycle import _disk_digest
     if rec["version"] != service.adapter.version() or rec["code"] != code_digest():
         return f"it was armed by another engine version or code ({rec['version']}, code {rec['code']})"
+    if rec.get("listen_inode") != (held := _held_inode(service)):
+        return ("it was armed before the service's socket was held; it would bind the port itself" if held
+                else "it was armed on a socket its supervisor held, and no supervisor holds it now")
     digest = _disk_digest(service.policy.service["model"])
     if digest and rec.get("model_digest") and digest != rec["model_digest"]:
         return "the weights on disk changed since it was armed"

@@ -66,6 +66,7 @@ class Supervisor:
             self.interval = min(self.interval, self.notify.watchdog_s / 2)
         self.beat = Heartbeat(self.notify)
         self._serving_pid: int | None = None  # the engine supervise last saw serving (another one: adopted)
+        self._serving_since = time.monotonic()  # when it began to serve
         self.standby = {"since": None, "next_try": 0.0, "rearm_s": [], "armed": None}  # unprotected since, ...
 
     # ---- the loop ------------------------------------------------------------------
@@ -74,6 +75,8 @@ class Supervisor:
             signal.signal(s, self._on_signal)
         preflight_writable(self.service.state_dir)
         self._only = self._one_supervisor()
+        self.broker = None
+        self._hold_listener()
         self.beat.step(self._lock_wait(), Heartbeat.STARTING)
         self.beat.start()
         try:
@@ -90,7 +93,46 @@ class Supervisor:
         finally:
             self.beat.stop()
             self.path.unlink(missing_ok=True)
+            if self.broker is not None:
+                self.broker.close()
             os.close(self._only)
+
+    def _hold_listener(self) -> None:
+        """The service's listening socket, held here for as long as supervise runs, so that it outlives
+        every engine: systemd's (socket activation) or bound here (restartkit.process.listener).  An
+        engine found serving on a socket of its own keeps it; the port is held once that one is gone."""
+        from restartkit.process import listener
+        svc, s = self.service, self.service.policy.service
+        passed = listener.from_systemd()
+        if not getattr(svc.adapter, "serves_on_socket", False):
+            if passed is not None:
+                raise UsageError(f"{svc.adapter.label} cannot serve on the socket systemd passed (LISTEN_FDS)",
+                                 hint="start this service without its .socket unit; it binds the port itself")
+            return
+        if passed is not None:
+            if why := listener.matches(passed, s["host"], s["port"]):
+                raise UsageError(f"{why}", hint=f"make the .socket unit's ListenStream= the policy's address "
+                                                f"({s['host']}:{s['port']}) or change {svc.policy.path}")
+            svc.engine.held = passed
+        else:
+            svc.engine.hold = True
+            svc.engine.listener()
+        self._broker_up()
+
+    def _broker_up(self) -> None:
+        """Once a socket is held: announce it (supervisor.json) and hand it to restartkit's other commands."""
+        from restartkit.process import listener
+        held = self.service.engine.held
+        if held is None or self.broker is not None:
+            return
+        try:
+            self.broker = listener.Broker(self.service.state_dir, held)
+        except OSError as e:
+            self.say(f"restartkit supervise: cannot offer the held socket to other commands ({e.strerror or e}); "
+                     "a `restartkit restart` run beside supervise binds the port itself")
+        d = held.describe()
+        self.say(f"{self.service.policy.name}: holding {d['address']} ({d['source']}; up to {d['backlog']} "
+                 "connections wait in its queue while no engine accepts)")
 
     def _on_signal(self, signum: int, _frame) -> None:
         """The handler: queue it; a termination also cuts the work under way (restartkit.process.seam)
@@ -129,8 +171,8 @@ class Supervisor:
             proc = self.service.current()
             if proc is None:  # gone between two looks (before its pidfd was open), or never came back
                 what = f"the engine (PID {last_pid}) exited" if last_pid else "the engine is not running"
-                last_pid = None  # its keeper collected it
-                if (rc := self._failure(what, None)) is not None:
+                died, last_pid = last_pid, None  # its keeper collected it
+                if (rc := self._failure(what, None, died)) is not None:
                     return rc
                 continue
             last_pid = proc.pid
@@ -230,7 +272,9 @@ class Supervisor:
             proc = svc.current()
             if proc is not None and svc.is_ready():
                 svc.canary()
-                self.say(f"{svc.policy.name}: adopted the serving engine (PID {proc.pid})")
+                self.say(f"{svc.policy.name}: adopted the serving engine (PID {proc.pid})" + (
+                    "; it listens on a socket of its own: until it is replaced, a crash refuses connections"
+                    if svc.engine.hold and svc.engine.held is None else ""))
             else:
                 if proc is not None:
                     svc.engine.stop()
@@ -244,9 +288,15 @@ class Supervisor:
         self._save("serving")
         return True
 
-    def _failure(self, what: str, pid: int | None) -> int | None:
-        """A crash or a hang: restart through auto unless the limit is reached (then the exit code)."""
+    def _failure(self, what: str, pid: int | None, died: int | None = None) -> int | None:
+        """A crash or a hang of the engine `pid` (still to be killed) or `died` (gone already): restart through
+        auto unless the limit is reached (then the exit code)."""
         noticed = time.time()
+        from restartkit.process.inflight import at_death
+        engine = pid if pid is not None else died
+        lost = at_death(self.service.state_dir, engine) if engine is not None else None
+        if lost:
+            self.say(f"{self.service.policy.name}: {lost} request(s) in flight on it are lost")
         self.beat.step(self._lock_wait() + self.cfg["backoff_max_s"] + self.service.policy.restart["stop_timeout_s"])
         self.say(f"{self.service.policy.name}: {what}")
         # another restartkit command may be restarting the engine: wait for its lock, then look again
@@ -258,8 +308,18 @@ class Supervisor:
                 self._save("serving")
                 self.notify.send(self._status())
                 return None
-        self.failures.append(noticed)
         window = self.cfg["start_limit_interval_s"]
+        served_s = time.monotonic() - self._serving_since
+        if engine is not None and engine == self._serving_pid and served_s >= self.cfg["min_uptime_s"]:
+            # it served: a crash while serving, not a failed start; recovered at once, no backoff, no count
+            self.say(f"{self.service.policy.name}: it had served {served_s:.0f} s ([supervise] min_uptime_s = "
+                     f"{self.cfg['min_uptime_s']:g}): recovering at once")
+            if pid is not None:
+                kill_tree(pid)
+                self.service.seam.reap_until_gone([pid], self.service.policy.restart["stop_timeout_s"])
+            self._restart("crash", {"by": "supervise", "what": what, "noticed_at": noticed, "lost_in_flight": lost})
+            return None
+        self.failures.append(noticed)
         while self.failures and self.failures[0] < noticed - window:
             self.failures.popleft()
         if len(self.failures) > self.cfg["start_limit_burst"]:
@@ -274,7 +334,7 @@ class Supervisor:
         if pid is not None:
             kill_tree(pid)  # a hung engine is declared dead: nothing it does now can be trusted
             self.service.seam.reap_until_gone([pid], self.service.policy.restart["stop_timeout_s"])
-        self._restart("crash", {"by": "supervise", "what": what, "noticed_at": noticed})
+        self._restart("crash", {"by": "supervise", "what": what, "noticed_at": noticed, "lost_in_flight": lost})
         return None  # not serving after it: the next turn finds nothing running, another failure, with backoff
 
     def _planned_restart(self) -> None:
@@ -299,6 +359,7 @@ class Supervisor:
             rec = self._cold_anyway(reason, trigger, why)
             if rec is None:
                 return None
+        self._broker_up()
         self.history.append({"at": time.time(), "reason": reason, "what": trigger["what"], "served_by": rec.served_by,
                              "final_state": rec.final_state, "time_to_ready_s": rec.time_to_ready_s,
                              "noticed_to_serving_s": (rec.trigger or {}).get("noticed_to_serving_s"), "record": rec.id})
@@ -477,13 +538,17 @@ class Supervisor:
 
     def _save(self, state: str) -> None:
         proc = self.service.current()
-        self._serving_pid = proc.pid if proc is not None and state == "serving" else None
+        serving = proc.pid if proc is not None and state == "serving" else None
+        if serving != self._serving_pid:
+            self._serving_since = time.monotonic()
+        self._serving_pid = serving
         window = self.cfg["start_limit_interval_s"]
         try:
             write_json_atomic(self.path, {
                 "pid": os.getpid(), "start_ticks": proc_start_ticks(os.getpid()), "started_at": self.started_at,
                 "state": state, "failures_in_interval": len([t for t in self.failures if t >= time.time() - window]),
                 "interval_s": window, "restarts": self.history[-20:],
+                "listener": self.service.engine.held.describe() if self.service.engine.held is not None else None,
                 "standby": {"armed": self.standby["armed"], "rearm_s": self.standby["rearm_s"]}})
         except OSError as e:
             self.say(f"restartkit supervise: could not write {self.path} ({e.strerror or e})")

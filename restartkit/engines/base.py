@@ -20,6 +20,9 @@ class EngineAdapter:
     # does the engine write a byte to the file descriptor in RESTARTKIT_READY_FD once it is ready (and close it)?
     # restartkit then probes at once instead of polling; the probe (a real completion) still decides
     signals_ready = False
+    # can the engine serve on a listening socket it inherits (--listen-fd N), accepting only once ready?  Under
+    # supervise the service's socket then outlives every engine (restartkit.process.listener)
+    serves_on_socket = False
 
     def launch(self, policy, extra_args: list[str] = ()) -> LaunchSpec:
         raise NotImplementedError

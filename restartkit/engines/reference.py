@@ -13,6 +13,7 @@ class ReferenceAdapter(EngineAdapter):
     name = "reference"
     waits_for_previous = True  # RESTARTKIT_AFTER_PID: allocates device memory only once its predecessor exited
     signals_ready = True  # RESTARTKIT_READY_FD: one byte when ready, then the pipe is closed
+    serves_on_socket = True  # --listen-fd: serves on the service's held socket (restartkit.process.listener)
     label = "the reference engine"
     weight_cache = "restartkit"
 

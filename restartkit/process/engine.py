@@ -72,6 +72,9 @@ class EngineProcess:
     ready_signalled: bool = False  # the engine said it was ready through ready_fd
     probes: int = 0  # readiness probes sent by wait_ready
     kept: bool = False  # popen is the engine's keeper (restartkit/process/keeper.py), which lives as long as it does
+    # probe only once the ready byte came (or its pipe closed): on a held socket an engine accepts only
+    # once ready, so a probe sent before would wait in the kernel's queue, blind to the engine's exit
+    probe_after_signal: bool = False
 
     def to(self, new: ProcState) -> None:
         if new not in ALLOWED[self.state]:
@@ -109,6 +112,10 @@ class EngineProcess:
             if progress is not None and self.seam.clock() - told[0] >= every_s:
                 told[0] = self.seam.clock()
                 progress(f"PID {self.pid}: still starting ({told[0] - t0:.0f} s of {timeout_s:.0f} s)")
+            if self.probe_after_signal and self.ready_fd is not None and not self.ready_signalled:
+                if self.state is ProcState.STARTING:
+                    self.to(ProcState.BACKOFF)
+                raise NotReady("it has not said it is ready yet")
             self.probes += 1
             try:
                 probe()

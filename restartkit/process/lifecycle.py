@@ -18,7 +18,7 @@ from typing import Callable
 
 from restartkit.errors import EngineStartError, UsageError
 from restartkit.files import ensure_private_dir, write_json_atomic
-from restartkit.process import keeper
+from restartkit.process import inflight, keeper
 from restartkit.process.engine import EngineProcess
 from restartkit.process.procfs import (ancestors, argv, comm, create_time, kill_tree, listeners, owner,
                                        port_has_listener, proc_start_ticks)
@@ -88,6 +88,12 @@ class EngineLifecycle:
         self.degraded = False
         self.last: EngineProcess | None = None
         self.progress: Callable[[str], None] = lambda _m: None  # what a start is doing, as it happens (stderr)
+        # The service's listening socket (restartkit.process.listener), when a long-lived process holds it:
+        # every engine started here serves on it.  `hold`: this process is that holder (supervise), and
+        # binds it as soon as the port is free; otherwise the supervisor's broker is asked, once.
+        self.held = None
+        self.hold = False
+        self._asked = False
 
     @property
     def pidfile(self) -> Path:
@@ -112,6 +118,23 @@ class EngineLifecycle:
         proc.state = ProcState.READY if info.get("ready") else ProcState.STARTING
         return proc
 
+    def listener(self):
+        """The held socket the next engine serves on (restartkit.process.listener.Held), or None: it
+        binds the port itself, as an unsupervised engine does."""
+        from restartkit.process import listener
+        if self.held is not None or not getattr(self.adapter, "serves_on_socket", False):
+            return self.held
+        s = self.policy.service
+        if self.hold:
+            try:
+                self.held = listener.bind(s["host"], s["port"])
+            except listener.ListenerError:  # an engine adopted with its own socket holds it still
+                return None
+        elif not self._asked:
+            self._asked = True
+            self.held = listener.fetch(self.state_dir)
+        return self.held
+
     def port_listening(self) -> bool:
         """Does anything listen on the service's port?  Read from /proc, not by connecting:
         a stopped engine whose backlog is full still holds its port."""
@@ -125,7 +148,9 @@ class EngineLifecycle:
             return sock.connect_ex((host, s["port"])) == 0
 
     def port_holder(self) -> str | None:
-        """Who listens on the service's port, if anyone."""
+        """Who listens on the service's port, if anyone (not the service's own held socket)."""
+        if self.listener() is not None:
+            return None
         pids = listeners(self.policy.service["port"])
         if pids:
             return ", ".join(f"PID {p} ({comm(p)})" for p in pids)
@@ -217,8 +242,15 @@ class EngineLifecycle:
         """Start the engine process (output appended to the engine log); no waiting."""
         if not self.degraded:
             ensure_private_dir(self.state_dir)
+        held = self.listener()
+        if held is not None:  # it inherits the service's socket, and serves on it
+            extra_args = [*extra_args, "--listen-fd", str(held.fd)]
         spec = self.adapter.launch(self.policy, list(extra_args))
         env = {**os.environ, **spec.env, **(extra_env or {}), "RESTARTKIT_SPAWN_TIME": repr(time.time())}
+        if not self.degraded:  # it keeps its requests in flight where a crash's record can count them
+            inflight.sweep(self.state_dir)
+            env[inflight.ENV] = str(self.state_dir)
+        pass_fds = () if held is None else (held.fd,)
         ready_r = ready_w = None
         if self.adapter.signals_ready:  # a pipe the engine writes one byte to when it is ready
             ready_r, ready_w = os.pipe()
@@ -236,7 +268,7 @@ class EngineLifecycle:
                 # restore needs it), whoever collects orphans on this host and however slowly
                 popen, pid, _ = keeper.start(self.seam.popen, "spawn", spec.argv, stdin=subprocess.DEVNULL,
                                              stdout=log, stderr=log, env=env, close_fds=True,
-                                             pass_fds=(ready_w,) if ready_w is not None else ())
+                                             pass_fds=pass_fds + ((ready_w,) if ready_w is not None else ()))
         except BaseException:
             if ready_r is not None:
                 os.close(ready_r)
@@ -246,7 +278,8 @@ class EngineLifecycle:
                 os.close(ready_w)
         self.note_pids([pid])
         return EngineProcess(pid=pid, create_time=create_time(pid), start_ticks=proc_start_ticks(pid),
-                             log_path=self.log_path, popen=popen, kept=True, seam=self.seam, ready_fd=ready_r), log_offset
+                             log_path=self.log_path, popen=popen, kept=True, seam=self.seam, ready_fd=ready_r,
+                             probe_after_signal=held is not None), log_offset
 
     def _open_log(self) -> int:
         """engine.log for appending (owner only: the engine's argv and output); degraded, our stderr."""
@@ -308,8 +341,9 @@ class EngineLifecycle:
         except ProcessLookupError:
             pass
         deadline = t0 + r["stop_timeout_s"]
-        self.seam.wait_until(lambda: not (proc.alive() and self.port_listening()), deadline - time.monotonic(), 0.005)
-        if proc.alive() and self.port_listening():  # ignored SIGTERM and still holds the port: kill it now
+        if self.held is None:  # a held socket is never closed: the next engine starts now, and accepts beside it
+            self.seam.wait_until(lambda: not (proc.alive() and self.port_listening()), deadline - time.monotonic(), 0.005)
+        if self.held is None and proc.alive() and self.port_listening():  # ignored SIGTERM, holds the port: kill it
             h.how = proc.stop(timeout_s=0, signalled=True)
             h.exit_s = h.port_free_s = round(time.monotonic() - t0, 4)
             self.pidfile.unlink(missing_ok=True)

@@ -44,10 +44,29 @@ class EngineServer(ThreadingHTTPServer):
     request_queue_size = 1024
     QUEUED_IDLE_S = 2.0  # a connection found queued at stop that sends nothing is closed after this
 
-    def __init__(self, addr, engine_state, reuse_port: bool = False):
+    def __init__(self, addr, engine_state, reuse_port: bool = False, sock=None):
+        """`sock`: a listening socket given to this engine (restartkit.process.listener: held by its
+        supervisor, passed at spawn); `addr` is then not bound, and the socket outlives this engine."""
         self.reuse_port = reuse_port
-        super().__init__(addr, Handler)
+        self.held = sock is not None
+        self.serving = False  # serve_forever started (shutdown() waits for it to end: never call it before)
+        super().__init__(addr, Handler, bind_and_activate=sock is None)
+        if sock is not None:
+            self.socket.close()
+            self.socket = sock
+            self.server_address = sock.getsockname()[:2]
         self.state = engine_state
+
+    def start(self) -> None:
+        """Accept in a thread of its own."""
+        self.serving = True
+        threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+
+    def halt(self) -> None:
+        """Stop accepting (a no-op when it never started)."""
+        if self.serving:
+            self.shutdown()
+            self.serving = False
 
     def server_bind(self):
         if self.reuse_port:  # several engines on one port: how an overlapped restart hands over
@@ -68,9 +87,12 @@ class EngineServer(ThreadingHTTPServer):
         the close is still reset, unless the successor took every new connection (take_new_connections) or the
         kernel hands it over (net.ipv4.tcp_migrate_req = 1)."""
         self.state.stopping = True
-        self.shutdown()
-        self.socket.setblocking(False)
+        self.halt()
         threads = []
+        if self.held:  # the service's socket: what is queued on it waits for the next engine, never reset
+            self.server_close()
+            return threads
+        self.socket.setblocking(False)
         while True:
             try:
                 conn, addr = self.socket.accept()
@@ -98,12 +120,15 @@ class State:
         self.requests = 0
         self.inflight = 0  # requests between being read and their answer written
         self.inflight_lock = threading.Lock()
+        from restartkit.process.inflight import Counter
+        self.inflight_count = Counter()  # where its supervisor reads it after a crash
         self.stopping = False  # /health says so; what reaches the engine is still answered, then its connection closed
         self.chat_template: str | None = None  # the tokenizer's, if it has one
         self.special_tokens: dict = {}
         self.sleeper = None  # set when the engine runs with --enable-sleep-mode
         self.prepared_mode = False
         self.sleep_public = False
+        self.on_ready = None  # called once, when it became ready (start accepting on a given socket)
 
     def drain(self, deadline_s: float = 30.0, queued: Iterable[threading.Thread] = ()) -> int:
         """Wait until every request in flight has its answer written, and the connections found queued at
@@ -176,11 +201,13 @@ class Handler(BaseHTTPRequestHandler):
         st = self.server.state
         with st.inflight_lock:
             st.inflight += 1
+            st.inflight_count.set(st.inflight)
         try:
             handler()
         finally:
             with st.inflight_lock:
                 st.inflight -= 1
+                st.inflight_count.set(st.inflight)
 
     def do_GET(self):
         self._counted(self._get)
@@ -332,7 +359,9 @@ class Handler(BaseHTTPRequestHandler):
             out["sleep"] = {"enabled": True, "level": st.sleeper.level, "last": st.sleeper.last}
         if eng is not None and eng.model is not None:
             out.update(load=eng.load_info, device=str(eng.device), dtype=str(eng.dtype).replace("torch.", ""),
-                       reuse_port=getattr(self.server, "reuse_port", False) or st.prepared_mode,
+                       # can a new engine serve beside it on its port (an overlapped hand-over)?
+                       reuse_port=getattr(self.server, "reuse_port", False) or st.prepared_mode or self.server.held,
+                       held_socket=self.server.held,
                        weight_bytes=eng.weight_bytes(), kv_cache_bytes=eng.model.kv_cache_bytes,
                        cuda_graph=eng._graph is not None)
             if eng.draft is not None:

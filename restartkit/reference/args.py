@@ -37,6 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dist-port", type=int, default=0, help="rank 0's rendezvous port (tensor parallel)")
     p.add_argument("--worker-rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--gate-fds", default="", help=argparse.SUPPRESS)  # a prepared worker's pipes to and from rank 0
+    p.add_argument("--listen-fd", type=int, default=None,
+                   help="serve on this listening socket (inherited; its supervisor holds it) instead of binding "
+                        "--host/--port; accepted on once ready.  LISTEN_FDS (socket activation) works the same")
     p.add_argument("--reuse-port", action="store_true", help="SO_REUSEPORT on the public port (overlapped restarts)")
     p.add_argument("--prepare-only", action="store_true",
                    help="prepare (imports, device, weights), then wait for SIGUSR1 before taking the device and the port")

@@ -147,6 +147,8 @@ def _load(args, state: State, outcome: dict, gate=None) -> None:
     state.ready_at = time.time()
     state.ready = True
     log(f"ready in {state.ready_at - state.started_at:.2f} s; phases {json.dumps(state.phases)}")
+    if state.on_ready is not None:  # a socket given to it: it accepts from now on, before it says ready
+        state.on_ready()
     signal_ready()
 
 

@@ -33,18 +33,25 @@ def serve(args: argparse.Namespace) -> int:
         return serve_worker(args)
     if args.prepare_only:
         return serve_prepared(args)
-    # Bind first: a port in use is reported before minutes of loading.
     state = State(args.served_model_name or os.path.basename(os.path.normpath(args.model)))
     try:
-        server = EngineServer((args.host, args.port), state, reuse_port=args.reuse_port)
+        given = given_socket(args)
+        # Bind first: a port in use is reported before minutes of loading.
+        server = EngineServer((args.host, args.port), state, reuse_port=args.reuse_port and given is None, sock=given)
     except OSError as e:
-        log(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
+        log(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
         return 98 if e.errno == 98 else 1
     # Signals are blocked in every thread and taken by the main thread alone,
     # with sigtimedwait: handlers do nothing, the loop below acts.
     block_stop_signals()
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
-    log(f"listening on http://{args.host}:{server.server_address[1]} (loading {args.model})")
+    host, port = server.server_address[:2]
+    if given is not None:  # its connections wait in the kernel's queue until this engine can answer them
+        state.on_ready = server.start
+        log(f"serving on the socket it was given (fd {given.fileno()}, http://{host}:{port}) once ready "
+            f"(loading {args.model})")
+    else:
+        server.start()
+        log(f"listening on http://{host}:{port} (loading {args.model})")
     workers = spawn_workers(args) if args.tensor_parallel_size > 1 else []
     outcome: dict = {}
     loader = threading.Thread(target=_load, args=(args, state, outcome), daemon=True)
@@ -60,12 +67,12 @@ def serve(args: argparse.Namespace) -> int:
                 log("ready: taking every new connection from the engine beside it on the port")
         if "error" in outcome:
             log(f"start failed: {outcome['error']}")
-            server.shutdown()
+            server.halt()
             _stop_workers(workers)
             return 1
         if dead := _dead_worker(workers):
             log(f"{dead}; stopping")
-            server.shutdown()
+            server.halt()
             _stop_workers(workers)
             os._exit(1)  # rank 0 may be blocked in a collective with the dead rank
     log(f"received {signal.Signals(signo).name}; finishing in-flight requests")
@@ -77,6 +84,21 @@ def serve(args: argparse.Namespace) -> int:
     _stop_workers(workers)
     log("stopped" + (f" ({left} requests still in flight after 30 s)" if left else ""))
     return 0
+
+
+def given_socket(args):
+    """The listening socket this engine was given (--listen-fd, or LISTEN_FDS from socket activation), or
+    None: it binds --host/--port itself."""
+    import socket
+    if args.listen_fd is not None:
+        sock = socket.socket(fileno=args.listen_fd)
+    else:
+        from restartkit.process.listener import from_systemd
+        held = from_systemd()
+        sock = held.sock if held is not None else None
+    if sock is not None:
+        sock.set_inheritable(False)  # its tensor-parallel workers never accept
+    return sock
 
 
 def _write_status(path: str | None, **data) -> None:
@@ -97,11 +119,12 @@ def serve_prepared(args: argparse.Namespace) -> int:
     # long: the hand-over's steps in the order they happen, each with its deadline and its stop check
     state = State(args.served_model_name or os.path.basename(os.path.normpath(args.model)))
     state.prepared_mode = True
+    given = given_socket(args)  # the service's socket: accepted on once promoted
     private = EngineServer(("127.0.0.1", 0), state)
     admin_port = private.server_address[1]
     signals = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2}
     signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    threading.Thread(target=private.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+    private.start()
     _write_status(args.status_file, state="preparing", admin_port=admin_port)
     log(f"preparing (private port {admin_port}); the public port {args.port} is taken on activation")
     outcome: dict = {}
@@ -140,12 +163,12 @@ def serve_prepared(args: argparse.Namespace) -> int:
             os._exit(1)  # rank 0 may be blocked in a collective with a dead rank; the others die with this one
         if state.ready and publish and public is None:
             try:
-                public = EngineServer((args.host, args.port), state, reuse_port=True)
+                public = EngineServer((args.host, args.port), state, reuse_port=given is None, sock=given)
             except OSError as e:
                 _write_status(args.status_file, state="failed", admin_port=admin_port,
                               error=f"cannot listen on {args.host}:{args.port}: {e.strerror}")
                 return 98
-            threading.Thread(target=public.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+            public.start()
             took = public.take_new_connections()  # before "ready": then restartkit stops the engine before
             _write_status(args.status_file, state="ready", admin_port=admin_port, phases=state.phases)
             log(f"active: listening on http://{args.host}:{args.port} too" + (", taking every new connection" if took else ""))
