@@ -21,6 +21,7 @@ class Request:
     ended: float
     outcome: str  # ok | refused | 5xx | lost | timeout | other (a 4xx, say)
     detail: str = ""
+    connected: float | None = None  # when the TCP handshake completed (the kernel queues it; no engine needed)
 
     @property
     def waited_s(self) -> float:
@@ -64,7 +65,10 @@ class ClientLoad:
     def one(self) -> tuple[Request, list[int] | None]:
         t0 = time.monotonic()
         conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        connected = None
         try:
+            conn.connect()
+            connected = time.monotonic()
             conn.request("POST", "/v1/completions", body=self.body,
                          headers={"Content-Type": "application/json", "Connection": "close"})
             resp = conn.getresponse()
@@ -74,7 +78,7 @@ class ClientLoad:
             if resp.status != 200:
                 return Request(t0, time.monotonic(), OTHER, str(resp.status)), None
             tokens = json.loads(data)["choices"][0].get("token_ids")
-            return Request(t0, time.monotonic(), OK), tokens
+            return Request(t0, time.monotonic(), OK, connected=connected), tokens
         except ConnectionRefusedError:
             return Request(t0, time.monotonic(), REFUSED), None
         except TimeoutError:
