@@ -313,14 +313,16 @@ def supervise(policy_path, install_unit, unit_dir, watchdog_sec, unit_user):
       restartkit supervise --policy llm.toml
       restartkit preload --policy llm.toml --install-unit        # the weight cache's unit first
       restartkit supervise --policy llm.toml --install-unit --watchdog-sec 60
-      systemctl daemon-reload && systemctl enable --now restartkit-wc-llm restartkit-llm"""
+      systemctl daemon-reload && systemctl enable --now restartkit-wc-llm restartkit-llm.socket restartkit-llm"""
     from restartkit.commands.supervise import Supervisor
-    from restartkit.commands.units import supervise_unit
+    from restartkit.commands.units import supervise_units
     svc = load(policy_path)
     if install_unit:
-        path = supervise_unit(svc, unit_dir, watchdog_sec, unit_user)
-        click.echo(f"wrote {path}")
-        click.echo(f"enable it: systemctl daemon-reload && systemctl enable --now {path.name}")
+        sock, path = supervise_units(svc, unit_dir, watchdog_sec, unit_user)
+        click.echo(f"wrote {sock}\nwrote {path}")
+        click.echo(f"enable them: systemctl daemon-reload && systemctl enable --now {sock.name} {path.name}")
+        click.echo(f"({sock.name} holds port {svc.policy.service['port']}: it stays open across every engine "
+                   "restart and a restart of supervise itself)")
         if unit_user:
             click.echo(f"run restartkit for this service as {unit_user} (sudo -u {unit_user} restartkit status "
                        f"--policy {svc.policy.path}): its state dir is {unit_user}'s")

@@ -176,8 +176,33 @@ def test_the_weight_cache_unit_comes_first_and_both_units_load(make_policy, tmp_
     engine = (units / "restartkit-svc.service").read_text()
     assert "Before=restartkit-svc.service" in cache and "--wait-ready" in cache.split("ExecStartPost=")[1]
     assert "Wants=network-online.target restartkit-wc-svc.service" in engine
-    assert "After=network-online.target restartkit-wc-svc.service" in engine
+    assert "After=network-online.target restartkit-svc.socket restartkit-wc-svc.service" in engine
     verify(units / "restartkit-svc.service", units / "restartkit-wc-svc.service")
+
+
+def test_the_service_unit_takes_its_listening_socket_from_a_socket_unit(make_policy, tmp_path):
+    """supervise --install-unit writes restartkit-NAME.socket beside the service: systemd holds the port (the
+    policy's host:port, the backlog restartkit states) and the service requires it; both load in
+    systemd-analyze verify.  An IPv6 host is written in brackets."""
+    from restartkit.process.listener import BACKLOG
+    units = tmp_path / "units"
+    units.mkdir()
+    policy = make_policy()
+    port = int(policy.read_text().split("port = ")[1].split()[0])
+    r = run_cli("supervise", "--policy", policy, "--install-unit", "--unit-dir", units)
+    assert r.returncode == 0, r.stderr
+    assert "systemctl enable --now restartkit-svc.socket restartkit-svc.service" in r.stdout, r.stdout
+    sock = (units / "restartkit-svc.socket").read_text()
+    engine = (units / "restartkit-svc.service").read_text()
+    assert f"ListenStream=127.0.0.1:{port}\n" in sock and f"Backlog={BACKLOG}\n" in sock, sock
+    assert "Requires=restartkit-svc.socket\n" in engine and "restartkit-svc.socket" in engine.split("After=")[1]
+    verify(units / "restartkit-svc.socket", units / "restartkit-svc.service")
+    v6 = make_policy(name="six", service_extra='host = "::1"\n')
+    r = run_cli("supervise", "--policy", v6, "--install-unit", "--unit-dir", units)
+    assert r.returncode == 0, r.stderr
+    assert f"ListenStream=[::1]:{int(v6.read_text().split('port = ')[1].split()[0])}\n" in \
+        (units / "restartkit-six.socket").read_text()
+    verify(units / "restartkit-six.socket", units / "restartkit-six.service")
 
 
 def test_a_unit_for_another_user_pins_the_state_root_and_is_refused_for_criu(make_policy, tmp_path):

@@ -1,4 +1,4 @@
-"""The systemd units restartkit writes: the engine's (supervise --install-unit), its weight
+"""The systemd units restartkit writes: the engine's and its listening socket's (supervise --install-unit), its weight
 cache's (preload --install-unit: ready before the engine's unit starts), and the snapshot refresh's
 timer (restartkit.snapshot.refresh).  Each runs the restartkit the user ran, with the state root the
 command line chose, its arguments quoted by systemd's rules (a policy path with a space stays one
@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from restartkit.errors import UsageError
+from restartkit.process.listener import BACKLOG
 
 PLAIN = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/._-+=:,@")
 
@@ -77,9 +78,20 @@ def cache_unit(name: str) -> str:
     return f"restartkit-wc-{name}.service"
 
 
-def supervise_unit(service, unit_dir: str, watchdog_s: int = 0, user: str | None = None) -> Path:
-    """restartkit-<name>.service: `restartkit supervise` for the service, after its weight cache's unit
-    when that one is installed beside it; `user`: User= (policies without CRIU only)."""
+def socket_unit(name: str) -> str:
+    return f"restartkit-{name}.socket"
+
+
+def listen_stream(host: str, port: int) -> str:
+    """ListenStream= for host:port (an IPv6 address in brackets, systemd.socket(5))."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def supervise_units(service, unit_dir: str, watchdog_s: int = 0, user: str | None = None) -> tuple[Path, Path]:
+    """restartkit-<name>.socket and restartkit-<name>.service: systemd holds the service's listening socket
+    (it outlives supervise too) and passes it to `restartkit supervise` (LISTEN_FDS), which serves every
+    engine on it; the service comes after its weight cache's unit when that one is installed beside it;
+    `user`: User= (policies without CRIU only)."""
     start = exec_line(["supervise", "--policy", os.path.abspath(service.policy.path)])
     r = service.policy.restart
     name = service.policy.name
@@ -87,10 +99,23 @@ def supervise_unit(service, unit_dir: str, watchdog_s: int = 0, user: str | None
     cache = (d / cache_unit(name)).exists()
     path = d / engine_unit(name)
     path.parent.mkdir(parents=True, exist_ok=True)
+    sock = d / socket_unit(name)
+    sock.write_text(f"""[Unit]
+Description=restartkit: the listening socket of {name} (connections wait here while an engine is replaced)
+
+[Socket]
+ListenStream={listen_stream(service.policy.service["host"], service.policy.service["port"])}
+Backlog={BACKLOG}
+NoDelay=true
+
+[Install]
+WantedBy=sockets.target
+""")
     path.write_text(f"""[Unit]
 Description=restartkit: {name}, supervised (crashes come back through the fastest proven path)
+Requires={socket_unit(name)}
 Wants=network-online.target{f" {cache_unit(name)}" if cache else ""}
-After=network-online.target {cache_unit(name)}
+After=network-online.target {socket_unit(name)} {cache_unit(name)}
 
 [Service]
 Type=notify
@@ -108,7 +133,7 @@ RestartSec=5
 [Install]
 WantedBy=multi-user.target
 """)
-    return path
+    return sock, path
 
 
 def weight_cache_unit(service, unit_dir: str, user: str | None = None) -> Path:

@@ -74,6 +74,15 @@ class EngineServer(ThreadingHTTPServer):
             self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         super().server_bind()
 
+    def handle_error(self, request, client_address):
+        """A client that closed before its answer was written is one line of the log, not a traceback."""
+        import sys
+        err = sys.exc_info()[1]
+        if isinstance(err, (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)):
+            log(f"client {client_address[0]}:{client_address[1]} closed before its answer ({type(err).__name__})")
+            return
+        super().handle_error(request, client_address)
+
     def take_new_connections(self) -> bool:
         """Once ready, beside the engine before on the port: every new connection comes here
         (restartkit.reference.reuseport); the one before finishes what it has."""
