@@ -52,6 +52,7 @@ class CriuStrategy(BaseStrategy):
                        tested_phases=tested.get("phases") if tested.get("ok") else None, images_dir=str(snap.path),
                        dump_phases=snap.manifest.get("phases"), kind=snap.manifest.get("kind") or "full",
                        weight_cache=snap.manifest.get("weight_cache"),
+                       on_held_socket=bool((snap.manifest.get("listener") or {}).get("held")),
                        image_bytes=snap.manifest.get("image_bytes"), freeze_s=snap.manifest.get("freeze_s"),
                        mismatches=mismatches(snap.manifest["identity"], out["identity"]),
                        seal_problem=seal_problem(snap.manifest, snap.path))

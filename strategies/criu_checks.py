@@ -164,21 +164,28 @@ def revision_pinned(facts: Facts, policy) -> str | None:
             "to a 40-character commit id")
 
 
-def socket_not_held(facts: Facts, policy) -> str | None:
-    """CRIU re-creates and re-binds a restored process's listening TCP socket (it cannot hand it one it
-    inherits: --inherit-fd is not read for TCP sockets), which the service's held socket forbids."""
-    held = facts.service.held_socket
-    if held is None:
-        return None
-    return (f"the service's socket {held['address']} is held by `restartkit supervise`, and CRIU re-binds a "
-            "restored engine's listening socket itself (it cannot give it the held one): a restore under "
-            "supervise is not built; standby, ipc and cold serve on the held socket")
+def socket_fits_snapshot(facts: Facts, policy) -> str | None:
+    """A snapshot of an engine that served on the held socket gave it up before its dump and takes it back
+    from supervise after the restore (restartkit.reference.detach); one of an engine with its own socket
+    would be re-bound by CRIU on the port supervise holds."""
+    held, c = facts.service.held_socket, facts.of("criu")
+    if "current" not in c:
+        return None  # snapshot_ready says why
+    if held is not None and not c.get("on_held_socket"):
+        return (f"snapshot {c['current']} was taken of an engine with its own socket, and the service's socket "
+                f"{held['address']} is now held by `restartkit supervise`: CRIU would re-bind the port it holds; "
+                f"take a new snapshot under supervise (restartkit snapshot create --policy {policy.path})")
+    if held is None and c.get("on_held_socket"):
+        return (f"snapshot {c['current']} was taken under `restartkit supervise` (its engine gave up the held socket "
+                "for the dump and takes it back from supervise after the restore), and no supervise holds the "
+                "socket now: restore it under supervise, or take a new snapshot without it")
+    return None
 
 
 SNAPSHOT_PREREQUISITES = [linux_x86_64, root_or_sudo, single_device, criu_usable, io_uring_off, revision_pinned,
                           not_ipc_attached, gpu_checkpoint_api, disk_room]
 # restoring a full snapshot does not care how the engine it replaces got its weights
-PREREQUISITES = [p for p in SNAPSHOT_PREREQUISITES if p is not not_ipc_attached] + [snapshot_ready, socket_not_held]
+PREREQUISITES = [p for p in SNAPSHOT_PREREQUISITES if p is not not_ipc_attached] + [snapshot_ready, socket_fits_snapshot]
 WEIGHTLESS_PREREQUISITES = [linux_x86_64, root_or_sudo, single_device, criu_usable, io_uring_off, revision_pinned,
                             gpu_checkpoint_api, weightless_snapshot_ready, weight_cache_matches_snapshot,
-                            socket_not_held]
+                            socket_fits_snapshot]

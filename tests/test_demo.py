@@ -46,6 +46,9 @@ def test_the_demo_runs_end_to_end(tmp_path):
         assert step in out, step
     assert "canary: identical" in out
     assert "the demo engine and its weight cache were stopped" in out
+    # its last act: a SIGKILL under supervise, served by the standby on the held socket, nothing refused
+    crash = next(line for line in out.splitlines() if line.startswith("answering again"))
+    assert "served by standby" in crash and " 0 connections refused, 0 HTTP 5xx" in crash, crash
     # the state went where the caller said (--state-dir / RESTARTKIT_STATE_DIR), not into the workdir
     assert (tmp_path / "s" / "demo" / "history.jsonl").exists() and not (tmp_path / "demo" / "state").exists()
     status = json.loads(run_cli("status", "--policy", tmp_path / "demo" / "demo.toml", "--json",

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.conftest import prom_sample, run_cli
-from tests.helpers import gone, ipc_policy, start_preload
+from tests.helpers import engines_on, gone, ipc_policy, start_preload
 
 pytestmark = pytest.mark.slow
 
@@ -113,6 +113,8 @@ def test_a_planned_restart_promotes_the_standby_and_stop_takes_it_down(make_poli
     rec = json.loads(r.stdout)
     assert r.returncode == 0 and rec["served_by"] == "standby" and rec["proof"]["canary_identical"] is True, rec
     assert rec["attempts"][-1]["proof"]["standby_pid"] == armed["pid"] == standby_gone_engine(policy)
+    # promoted, it listens where the service does and nowhere else (its private port, the whole API, is closed)
+    assert listening_ports(armed["pid"]) == {port_of(policy)}, listening_ports(armed["pid"])
     # activated ahead, it answered the canary while it waited: that is the proof, compared with the old engine's
     # (no canary of restartkit's own on the public port for a client's first request to queue behind)
     came_from = rec["attempts"][-1]["proof"].get("canary_from")
@@ -124,6 +126,13 @@ def test_a_planned_restart_promotes_the_standby_and_stop_takes_it_down(make_poli
     assert r.returncode == 0 and f"its standby (PID {again['pid']}) stopped" in json.loads(r.stdout)["how"], r.stdout
     assert standby(policy) is None and listeners(port_of(policy)) == []
     assert gone(again["pid"])
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports the process listens on (from /proc)."""
+    from restartkit.process.procfs import fd_targets, tcp_sockets
+    mine = {t[len("socket:["):-1] for t in fd_targets(pid) if t.startswith("socket:[")}
+    return {int(cols[1].rsplit(":", 1)[1], 16) for cols in tcp_sockets() if cols[3] == "0A" and cols[9] in mine}
 
 
 def standby_gone_engine(policy) -> int:
@@ -529,3 +538,44 @@ def test_supervise_promotes_a_tensor_parallel_standby_when_a_worker_of_the_engin
     os.killpg(s.proc.pid, signal.SIGTERM)
     assert s.proc.wait(30) == 0
     assert gone(second["pid"])
+
+
+def test_no_standby_is_spawned_where_the_engine_cannot_hold_one(supervised, make_policy):
+    """[standby] enabled, but the engine loads a copy of its weights ([ipc] mode copy): supervise says why once
+    and spawns nothing (it used to start a standby every few seconds, each refused); `standby arm` exits 2 with
+    the reason, before any process starts."""
+    policy = make_policy(extra='\n[ipc]\nmode = "copy"\n\n[standby]\nenabled = true\n')
+    s = supervised(policy)
+    s.listen(7.0)  # past supervise's 5 s between two tries at arming
+    assert run_cli("status", "--policy", policy, "--json").returncode == 0
+    assert json.loads(run_cli("status", "--policy", policy, "--json").stdout)["standby"] is None
+    assert len(engines_on(policy)) == 1, engines_on(policy)
+    r = run_cli("standby", "arm", "--policy", policy)
+    assert r.returncode == 2 and "[ipc] mode must be 'zero_copy'" in r.stderr, r.stderr
+    assert len(engines_on(policy)) == 1
+    s.close()
+    said = s.proc.stdout.read()
+    assert said.count("no standby is armed: a standby maps its weights") == 1, said
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="starts a process as another user")
+def test_disarm_never_signals_a_process_that_is_not_restartkits(make_policy, service_cleanup):
+    """standby.json names another user's process (its start ticks right, as a forged or stale record could):
+    `standby disarm` leaves it alone."""
+    import subprocess
+    from restartkit.process.procfs import proc_start_ticks
+    policy = make_policy()
+    service_cleanup(policy)
+    other = subprocess.Popen(["sleep", "600"], user=65534, group=65534, start_new_session=True)
+    try:
+        time.sleep(0.2)
+        state_dir = json.loads(run_cli("status", "--policy", policy, "--json").stdout)["state_dir"]
+        os.makedirs(state_dir, exist_ok=True)
+        with open(os.path.join(state_dir, "standby.json"), "w") as f:
+            json.dump({"pid": other.pid, "start_ticks": proc_start_ticks(other.pid), "armed_at": time.time()}, f)
+        r = run_cli("standby", "disarm", "--policy", policy)
+        time.sleep(0.5)
+        assert other.poll() is None, (r.returncode, r.stdout, r.stderr)
+    finally:
+        other.kill()
+        other.wait()

@@ -4,7 +4,9 @@ Creates a small seeded checkpoint, starts the reference engine on the CPU
 under the demo policy (sleep mode on), starts a weight cache for it, takes a
 CRIU snapshot where this host allows one, shows the plan, restarts with
 --strategy auto, prints the record, and benches every strategy that can run
-here.  Everything it started is stopped at the end."""
+here.  It ends with a crash under `restartkit supervise`: the service's socket held, a standby armed,
+4 clients that never retry, the serving engine SIGKILLed; it prints the time from the kill to the next
+answer and how many connections were refused.  Everything it started is stopped at the end."""
 from __future__ import annotations
 
 import os
@@ -50,6 +52,39 @@ enabled = true
 level = 1
 """
 
+
+SUPERVISED_MIN_UPTIME_S = 2.0
+# The demo's last act: the same model under supervise, its weights mapped from the weight cache
+# (zero_copy, which a standby needs) and a standby armed.
+SUPERVISED_POLICY = """\
+[service]
+name = "demo-supervised"
+engine = "reference"
+model = "{workdir}/models/small"
+host = "127.0.0.1"
+port = {port}
+device = "cpu"
+max_model_len = 512
+engine_args = ["--threads", "1"]
+
+[restart]
+start_timeout_s = 120
+stop_timeout_s = 15
+canary_prompts = ["The quick brown fox"]
+canary_max_tokens = 8
+
+[ipc]
+mode = "zero_copy"
+fallback = true
+
+[standby]
+enabled = true
+kv_ahead = "never"
+
+[supervise]
+health_interval_s = 1
+min_uptime_s = %s
+""" % SUPERVISED_MIN_UPTIME_S
 
 DEFAULT_PORT = 8199
 
@@ -107,10 +142,84 @@ def run_demo(workdir: str = DEFAULT_WORKDIR, repeat: int = 2, say: Callable[[str
         "here; with 16 GB of weights on an H200, one run measured ipc ready in 4.3 s against 7.2-7.5 s cold: "
         "docs/BENCHMARKS.md)")
     svc.engine.stop()
+    say(f"\n== restartkit supervise --policy {root / 'demo-supervised.toml'}   (the socket held, a standby "
+        "armed; then a crash)")
+    crash_ok = _crash_under_supervise(root, workdir, port, state_root or str(root / "state"), say)
     stop_weight_cache(svc.policy)
     say(f"\nthe demo engine and its weight cache were stopped; start again with: restartkit start --policy {policy_path}")
     say(f"records: {svc.state_dir / 'history.jsonl'}; metrics: {svc.state_dir / 'metrics.prom'}")
-    return EXIT_SERVING if rec.final_state == "serving" else EXIT_NOT_SERVING
+    return EXIT_SERVING if rec.final_state == "serving" and crash_ok else EXIT_NOT_SERVING
+
+
+def _crash_under_supervise(root: Path, workdir: str, port: int, state_root: str, say) -> bool:
+    """supervise on the demo's port with a standby on the weight cache; 4 clients that open a new
+    connection per request and never retry; one SIGKILL of the serving engine.  True when the service
+    answered again after it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from restartkit.clients import ClientLoad, summarize
+    from restartkit.commands.standby import state as standby_state
+    from restartkit.record import read_history
+    from restartkit.service import Service
+
+    policy_path = root / "demo-supervised.toml"
+    policy_path.write_text(SUPERVISED_POLICY.format(workdir=workdir, port=port))
+    svc = Service.from_policy_file(policy_path, state_root)
+    log = open(root / "supervise.log", "w")
+    sup = subprocess.Popen([sys.executable, "-m", "restartkit.cli", "supervise", "--policy", str(policy_path)],
+                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                           env={**os.environ, "RESTARTKIT_STATE_DIR": state_root})
+    load = None
+    try:
+        armed = _wait(lambda: (sb := standby_state(svc)) and sb["state"] == "prepared" and svc.is_ready() and sb,
+                      120, sup)
+        engine = svc.current()
+        say(f"serving (PID {engine.pid}) on the socket supervise holds; standby PID {armed['pid']} armed")
+        load = ClientLoad(svc.policy.service["host"], port, "demo", clients=4, max_tokens=4).start()
+        time.sleep(max(0.0, SUPERVISED_MIN_UPTIME_S + 0.5 - (time.time() - (engine.create_time or 0.0))))
+        kill, killed_at = time.monotonic(), time.time()
+        os.kill(engine.pid, signal.SIGKILL)
+        say(f"SIGKILL -> PID {engine.pid}, 4 clients sending (a new connection per request, no retries)")
+        _wait(lambda: (p := svc.current()) and p.pid != engine.pid and svc.is_ready(), 120, sup)
+        time.sleep(1.0)
+        load.stop()
+        got = summarize(load.snapshot(), [kill], clients=4)
+        served_by = _wait(lambda: [r for r in read_history(svc.state_dir) if r.get("started_at", 0) >= killed_at], 30, sup)[-1]["served_by"]
+        after = got["kill_to_answer_s"][0]
+        say((f"answering again {after:.2f} s after the kill, served by {served_by}" if after is not None else
+             "no answer after the kill") + f"; the clients' {got['requests']} requests: {got['refused']} connections "
+            f"refused, {got['http_5xx']} HTTP 5xx, {got['lost']} lost (in flight on the killed engine), longest wait "
+            f"{got['longest_wait_s']:.2f} s")
+        return after is not None
+    except TimeoutError as e:
+        say(f"the crash under supervise could not be shown: {e} (its log: {root / 'supervise.log'})")
+        return False
+    finally:
+        if load is not None:
+            load.stop()
+        if sup.poll() is None:
+            os.killpg(sup.pid, signal.SIGTERM)
+            try:
+                sup.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(sup.pid, signal.SIGKILL)
+        log.close()
+        svc.engine.stop()
+
+
+def _wait(what, timeout_s: float, sup):
+    import time
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if got := what():
+            return got
+        if sup.poll() is not None:
+            raise TimeoutError(f"supervise exited with {sup.returncode}")
+        time.sleep(0.1)
+    raise TimeoutError(f"not within {timeout_s:.0f} s")
 
 
 def _try_snapshot(svc, say) -> None:

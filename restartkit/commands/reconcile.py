@@ -131,11 +131,19 @@ def _try_adopt(service, pid: int, stale: dict, say) -> bool:
     if (recorded is None or recorded.pid != pid) and pid not in listeners(policy.service["port"]):
         return False  # whoever answers on the port, it is not this process (a keeper, CRIU)
     weights = stale.get("kv_dropped") == "weights" or stale.get("strategy") == "criu+ipc"
+    detached = stale.get("detached") or {}
+    base = f"http://127.0.0.1:{detached['admin_port']}" if detached.get("admin_port") else None
     if stale.get("kv_dropped") or stale.get("strategy") in ("criu", "criu+ipc"):
         try:  # a restored engine, or one snapshotted, waits for its KV cache (and its weights: weights-less)
-            adapter.after_resume(policy, timeout=10.0, weights=weights)
+            adapter.after_resume(policy, timeout=10.0, weights=weights, base=base)
         except Exception as e:
             say(f"{policy.name}: PID {pid} did not take its KV cache back: {e}")
+    if detached.get("pid") == pid:  # it gave up the held socket for a dump: it takes it back from supervise
+        from restartkit.snapshot.ops import take_back_listener
+        try:
+            take_back_listener(service, pid)
+        except Exception as e:
+            say(f"{policy.name}: PID {pid} did not take the held socket back: {getattr(e, 'message', e)}")
     try:
         adapter.probe(policy, timeout=10.0)
         after = adapter.canary(policy)

@@ -46,7 +46,12 @@ def _paths(service) -> tuple[Path, Path]:
 
 def arm(service) -> dict:
     """Start a standby (no wait: `state(service)` says when it is prepared); returns its record."""
+    from restartkit.errors import UsageError
     from restartkit.process.lifecycle import _disk_digest
+    from restartkit.strategies.standby import engine_can_stand_by
+    if why := engine_can_stand_by(None, service.policy):  # before any process is spawned
+        raise UsageError(f"no standby can be armed for {service.policy.name}: {why}",
+                         hint=f"set [standby] enabled = false in {service.policy.path}, or see the README's standby section")
     path, status = _paths(service)
     status.unlink(missing_ok=True)
     ahead, why = kv_ahead(service)
@@ -189,7 +194,9 @@ def consumed(service) -> None:
 
 
 def disarm(service, timeout_s: float = 10.0) -> int | None:
-    """Stop the standby (SIGTERM, then its tree killed); returns its PID, None when there was none."""
+    """Stop the standby (SIGTERM, then its tree killed); returns its PID, None when there was none (or the
+    process standby.json names is not one restartkit started: another user's, or not under its keeper)."""
+    from restartkit.process.lifecycle import ours
     rec = state(service)
     consumed(service)
     if rec is None or not rec["alive"]:
@@ -197,8 +204,8 @@ def disarm(service, timeout_s: float = 10.0) -> int | None:
     current = service.current()
     if current is not None and current.pid == rec["pid"]:
         return None  # promoted (by a command that died before it said so): the service's engine now
-    if proc_start_ticks(rec["pid"]) != rec.get("start_ticks"):
-        return None  # not ours any more
+    if proc_start_ticks(rec["pid"]) != rec.get("start_ticks") or not ours(rec["pid"], rec.get("start_ticks")):
+        return None  # not ours (any more): another user's, or not under a keeper of ours, whatever standby.json says
     try:
         os.kill(rec["pid"], signal.SIGTERM)
     except ProcessLookupError:

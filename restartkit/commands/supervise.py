@@ -32,6 +32,7 @@ import fcntl
 import os
 import select
 import signal
+import threading
 import time
 from typing import Callable
 
@@ -165,7 +166,7 @@ class Supervisor:
             pass
 
     def _watch(self) -> int:
-        misses, last_completion, last_pid = 0, time.monotonic(), None
+        probes, last_pid = {"misses": 0, "last_completion": time.monotonic()}, None
         while True:
             self.beat.step(self._probe_budget())
             proc = self.service.current()
@@ -181,46 +182,71 @@ class Supervisor:
             except ProcessLookupError:
                 continue
             try:
-                exited = self._wait(pidfd, self.interval)
+                rc = self._look(proc, pidfd, probes)
             finally:
                 os.close(pidfd)
-            if self.signals:
-                sig = self.signals.popleft()
-                if sig == signal.SIGHUP:
-                    self._planned_restart()
-                    continue
-                raise Cut(sig)
-            if exited:
-                if (rc := self._failure(f"the engine (PID {proc.pid}) exited", proc.pid)) is not None:
-                    return rc
-                misses, last_completion = 0, time.monotonic()
-                continue
-            if self._busy(proc):  # another command is restarting it, or it is still starting: not ours to judge
-                misses, last_completion = 0, time.monotonic()
-                continue
+            if rc is not None:
+                return rc
+
+    def _look(self, proc, pidfd: int, probes: dict) -> int | None:
+        """One turn of the watch on the engine `proc` (its pidfd open): its exit, a signal, its health and,
+        every completion_interval_s, a real completion.  `probes` carries the misses and the time of the
+        last completion from turn to turn.  Returns an exit code when supervise must end."""
+        exited = self._wait(pidfd, self.interval)
+        if self.signals:
+            sig = self.signals.popleft()
+            if sig == signal.SIGHUP:
+                self._planned_restart()
+                return None
+            raise Cut(sig)
+        if not exited and self._busy(proc):  # another command is restarting it, or it is still starting
+            probes.update(misses=0, last_completion=time.monotonic())
+            return None
+        if not exited:
             self._keep_standby()
             if proc.pid != self._serving_pid:  # another command restarted it, and it serves: ours from now on
                 self.say(f"{self.service.policy.name}: PID {proc.pid} serves now (started by another command); "
                          "adopted")
                 self._save("serving")
                 self.notify.send(self._status())
-            healthy = self._healthy()
-            misses = 0 if healthy else misses + 1
-            if misses >= self.cfg["health_misses"]:
-                what = f"the engine (PID {proc.pid}) missed {misses} health checks in a row"
-            elif time.monotonic() - last_completion >= self.cfg["completion_interval_s"]:
-                what = None if self._completes() else (f"the engine (PID {proc.pid}) completed nothing within "
-                                                       f"{self.cfg['completion_timeout_s']:.0f} s")
-                last_completion = time.monotonic()
-            else:
-                what = None
-            if what is not None and self._asleep(proc):  # `restartkit sleep` put it to sleep: no hang
-                misses, last_completion, what = 0, time.monotonic(), None
-            if what is None:
-                continue
-            if (rc := self._failure(what, proc.pid)) is not None:
-                return rc
-            misses, last_completion = 0, time.monotonic()
+        what = None
+        if not exited:
+            healthy = self._unless_exited(pidfd, self._healthy)
+            exited = healthy is None
+            probes["misses"] = 0 if healthy else probes["misses"] + 1
+        if exited:
+            what = f"the engine (PID {proc.pid}) exited"
+        elif probes["misses"] >= self.cfg["health_misses"]:
+            what = f"the engine (PID {proc.pid}) missed {probes['misses']} health checks in a row"
+        elif time.monotonic() - probes["last_completion"] >= self.cfg["completion_interval_s"]:
+            self.service.engine.note_shm(proc)  # what it made in /dev/shm since: removed after a crash too
+            completes = self._unless_exited(pidfd, self._completes)
+            if completes is None:
+                what = f"the engine (PID {proc.pid}) exited"
+            elif not completes:
+                what = (f"the engine (PID {proc.pid}) completed nothing within "
+                        f"{self.cfg['completion_timeout_s']:.0f} s")
+            probes["last_completion"] = time.monotonic()
+        if what is not None and not what.endswith("exited") and self._asleep(proc):  # `restartkit sleep`: no hang
+            probes.update(misses=0, last_completion=time.monotonic())
+            what = None
+        if what is None:
+            return None
+        rc = self._failure(what, proc.pid)
+        probes.update(misses=0, last_completion=time.monotonic())
+        return rc
+
+    def _unless_exited(self, pidfd: int, probe):
+        """The probe's answer, or None when the engine exited first.  On the held socket a probe sent as
+        the engine dies waits in the socket's queue, which nothing drains until supervise notices the
+        death: the probe must not stand between the two (it would cost its whole timeout)."""
+        answer = []
+        worker = threading.Thread(target=lambda: answer.append(probe()), name="supervise-probe", daemon=True)
+        worker.start()
+        while worker.is_alive():
+            if select.select([pidfd], [], [], 0.05)[0]:
+                return None  # the probe thread ends at its own timeout; its answer is not waited for
+        return answer[0] if answer else False
 
     def _wait(self, pidfd: int, timeout_s: float) -> bool:
         """True when the engine exited within `timeout_s`; returns early on a signal.  Each look
@@ -297,6 +323,8 @@ class Supervisor:
         lost = at_death(self.service.state_dir, engine) if engine is not None else None
         if lost:
             self.say(f"{self.service.policy.name}: {lost} request(s) in flight on it are lost")
+        if swept := self.service.engine.sweep_gone():  # before the next engine makes its own
+            self.say(f"{self.service.policy.name}: removed {len(swept)} file(s) it left in /dev/shm")
         self.beat.step(self._lock_wait() + self.cfg["backoff_max_s"] + self.service.policy.restart["stop_timeout_s"])
         self.say(f"{self.service.policy.name}: {what}")
         # another restartkit command may be restarting the engine: wait for its lock, then look again
@@ -400,8 +428,14 @@ class Supervisor:
         than every few seconds: one that keeps failing does not take the engine's CPUs); the time the
         service was without a prepared standby is measured (`rearm_s`)."""
         from restartkit.commands.standby import arm, consumed, disarm, stale, state
+        from restartkit.strategies.standby import engine_can_stand_by
         svc, sb = self.service, self.standby
         if not svc.policy.standby["enabled"] or svc.engine.degraded:
+            return
+        if why := engine_can_stand_by(None, svc.policy):  # said once; no process spawned to be refused
+            if not sb.get("refused"):
+                sb["refused"] = why
+                self.say(f"{svc.policy.name}: [standby] enabled, but no standby is armed: {why}")
             return
         rec = state(svc)
         if rec is not None and rec["state"] in ("prepared", "starting", "preparing") and rec["alive"]:

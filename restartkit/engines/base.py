@@ -109,14 +109,24 @@ class EngineAdapter:
     # again after (a weights-less snapshot, restored by the criu+ipc strategy)?
     weightless_snapshots = False
 
-    def before_snapshot(self, policy, weights: bool = False) -> dict:
+    # can the engine give up the service's held socket before a dump and take it back after, serving
+    # restartkit's admin calls on a private port meanwhile (restartkit.reference.detach)?
+    detaches_listener = False
+
+    def detach_listener(self, policy, broker: str) -> str:
+        """Make the engine close its copy of the held socket; returns the base URL of the private port
+        it serves admin calls on until it is sent SIGUSR2 (then it takes the socket back from `broker`)."""
+        raise NotImplementedError(f"the {self.name} adapter cannot give up a held socket")
+
+    def before_snapshot(self, policy, weights: bool = False, base: str | None = None) -> dict:
         """Shrink the process before a dump (free the KV cache; with `weights`, let go of the
-        weights mapped from the weight cache too); returns what it did."""
+        weights mapped from the weight cache too); returns what it did.  `base`: the engine's URL when
+        not the service's (its private port, detach_listener)."""
         if weights:
             raise NotImplementedError(f"the {self.name} adapter cannot release its weights before a dump")
         return {}
 
-    def after_resume(self, policy, timeout: float = 120.0, weights: bool = False) -> dict:
+    def after_resume(self, policy, timeout: float = 120.0, weights: bool = False, base: str | None = None) -> dict:
         """Undo before_snapshot once the process runs again (after a dump or a restore); with
         `weights`, map the weights from the weight cache again, a missing cache being an error.
         Returns how the weights came back (the engine's load info), {} without `weights`."""

@@ -87,14 +87,21 @@ class ReferenceAdapter(EngineAdapter):
     weightless_snapshots = True
     stack_signal = signal.SIGQUIT  # faulthandler, registered by the server
 
-    def before_snapshot(self, policy, weights: bool = False) -> dict:
-        if weights:
-            return http.post(self.base_url(policy) + "/admin/release_weights", timeout=60)
-        return {"kv_cache_freed_bytes": http.post(self.base_url(policy) + "/admin/drop_kv_cache", timeout=60).get("freed_bytes", 0)}
+    detaches_listener = True
 
-    def after_resume(self, policy, timeout: float = 120.0, weights: bool = False) -> dict:
+    def detach_listener(self, policy, broker: str) -> str:
+        port = http.post(self.base_url(policy) + "/admin/detach_listener", {"broker": broker}, timeout=30)["admin_port"]
+        return f"http://127.0.0.1:{int(port)}"
+
+    def before_snapshot(self, policy, weights: bool = False, base: str | None = None) -> dict:
+        url = base or self.base_url(policy)
         if weights:
-            return http.post(self.base_url(policy) + "/admin/reattach_weights", {"fallback": False},
-                             timeout=timeout).get("load") or {}
-        http.post(self.base_url(policy) + "/admin/restore_kv_cache", timeout=timeout)
+            return http.post(url + "/admin/release_weights", timeout=60)
+        return {"kv_cache_freed_bytes": http.post(url + "/admin/drop_kv_cache", timeout=60).get("freed_bytes", 0)}
+
+    def after_resume(self, policy, timeout: float = 120.0, weights: bool = False, base: str | None = None) -> dict:
+        url = base or self.base_url(policy)
+        if weights:
+            return http.post(url + "/admin/reattach_weights", {"fallback": False}, timeout=timeout).get("load") or {}
+        http.post(url + "/admin/restore_kv_cache", timeout=timeout)
         return {}

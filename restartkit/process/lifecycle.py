@@ -18,10 +18,10 @@ from typing import Callable
 
 from restartkit.errors import EngineStartError, UsageError
 from restartkit.files import ensure_private_dir, write_json_atomic
-from restartkit.process import inflight, keeper
+from restartkit.process import inflight, keeper, shm
 from restartkit.process.engine import EngineProcess
 from restartkit.process.procfs import (ancestors, argv, comm, create_time, kill_tree, listeners, owner,
-                                       port_has_listener, proc_start_ticks)
+                                       port_has_listener, proc_start_ticks, tree_pids)
 from restartkit.process.seam import Seam
 from restartkit.process.states import ProcState
 from restartkit.reference.ready import READY_FD_ENV
@@ -311,7 +311,35 @@ class EngineLifecycle:
                   "port": self.policy.service["port"], "strategy": strategy, "ready": ready, "written_at": time.time()}
         if ready:  # the weights it serves: what is on disk now (the digests are cached; off the path to ready)
             record["model_digest"] = _disk_digest(self.policy.service["model"])
+            record["shm"] = shm.describe(tree_pids(proc.pid))  # removed once it is gone (restartkit.process.shm)
+            self.sweep_gone()  # the engine before it, when it left its files behind
         write_json_atomic(self.pidfile, record)
+
+    def shm_now(self, proc: EngineProcess | None) -> list[dict]:
+        """The recorded engine's /dev/shm files, with the ones its tree holds now (made after it was ready)."""
+        files = {f["path"]: f for f in self.recorded().get("shm") or [] if isinstance(f, dict) and "path" in f}
+        if proc is not None:
+            files.update({f["path"]: f for f in shm.describe(tree_pids(proc.pid))})
+        return list(files.values())
+
+    def note_shm(self, proc: EngineProcess) -> None:
+        """Record the /dev/shm files the engine made since it was ready (supervise asks now and then), so a
+        crash leaves none behind either."""
+        rec = self.recorded()
+        if self.degraded or rec.get("pid") != proc.pid:
+            return
+        files = self.shm_now(proc)
+        if len(files) != len(rec.get("shm") or []):
+            write_json_atomic(self.pidfile, {**rec, "shm": files})
+
+    def sweep_gone(self) -> list[str]:
+        """Remove the /dev/shm files of the recorded engine when it is gone (a crash, a stop)."""
+        before = self.recorded()
+        if not before.get("shm"):
+            return []
+        gone = EngineProcess(pid=before["pid"], create_time=before.get("create_time"),
+                             start_ticks=before.get("start_ticks"), seam=self.seam)
+        return [] if gone.alive() else shm.sweep(before["shm"])
 
     def recorded(self) -> dict:
         """engine.json as written ({} when there is none or it cannot be read)."""
@@ -334,6 +362,7 @@ class EngineLifecycle:
             self.pidfile.unlink(missing_ok=True)
             return h
         r = self.policy.restart
+        left = self.shm_now(proc)  # removed once it has exited (the pidfile goes before that)
         t0 = time.monotonic()
         proc.to(ProcState.STOPPING)
         try:
@@ -346,6 +375,7 @@ class EngineLifecycle:
         if self.held is None and proc.alive() and self.port_listening():  # ignored SIGTERM, holds the port: kill it
             h.how = proc.stop(timeout_s=0, signalled=True)
             h.exit_s = h.port_free_s = round(time.monotonic() - t0, 4)
+            shm.sweep(left)
             self.pidfile.unlink(missing_ok=True)
             return h
         h.port_free_s = round(time.monotonic() - t0, 4)
@@ -357,6 +387,7 @@ class EngineLifecycle:
             except Exception as e:  # survived SIGKILL: the new engine's gate says so
                 h.how = f"{type(e).__name__}: {e}"
             h.exit_s = round(time.monotonic() - t0, 4)
+            shm.sweep(left)
         h.thread = threading.Thread(target=finish, daemon=True)
         h.thread.start()
         h.env = {"RESTARTKIT_AFTER_PID": f"{proc.pid}:{proc.create_time or ''}",
@@ -390,9 +421,12 @@ class EngineLifecycle:
     def stop(self) -> str:
         proc = self.current()
         if proc is None:
+            self.sweep_gone()
             self.pidfile.unlink(missing_ok=True)
             return "not running"
         r = self.policy.restart
+        left = self.shm_now(proc)
         how = proc.stop(timeout_s=r["stop_timeout_s"])
+        shm.sweep(left)
         self.pidfile.unlink(missing_ok=True)
         return how

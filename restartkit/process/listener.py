@@ -125,8 +125,18 @@ def matches(held: Held, host: str, port: int) -> str | None:
 
 # ---- the broker: the held socket for restartkit's other commands ------------------------------
 
+def engine_broker(state_dir: Path) -> str:
+    """The abstract Unix address (per network namespace, no file) where an engine that gave up the held
+    socket for a CRIU dump takes it back (restartkit.reference.detach): a copy restored in a network
+    namespace of its own for a test restore can never reach it."""
+    import hashlib
+    digest = hashlib.sha256(str(Path(state_dir).resolve()).encode()).hexdigest()[:20]
+    return f"\0restartkit-listener-{os.getuid()}-{digest}"
+
+
 class Broker:
-    """Hands the held socket to a restartkit command of the same user that asks for it."""
+    """Hands the held socket to a restartkit command, or an engine, of the same user that asks for it:
+    commands at the state dir's listen.sock, engines at engine_broker()."""
 
     def __init__(self, state_dir: Path, held: Held):
         self.path = Path(state_dir) / BROKER
@@ -139,13 +149,21 @@ class Broker:
         finally:
             os.umask(old)
         self.sock.listen(16)
-        self.thread = threading.Thread(target=self._serve, name="listener-broker", daemon=True)
-        self.thread.start()
+        self.engines = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.engines.bind(engine_broker(state_dir))
+            self.engines.listen(16)
+        except OSError:  # another supervise of this state dir holds it: it refuses to start before this matters
+            self.engines.close()
+        self.threads = [threading.Thread(target=self._serve, args=(s,), name="listener-broker", daemon=True)
+                        for s in (self.sock, self.engines)]
+        for t in self.threads:
+            t.start()
 
-    def _serve(self) -> None:
+    def _serve(self, listening: socket.socket) -> None:
         while True:
             try:
-                conn, _ = self.sock.accept()
+                conn, _ = listening.accept()
             except OSError:  # closed: supervise is stopping
                 return
             with conn:
@@ -162,6 +180,7 @@ class Broker:
     def close(self) -> None:
         try:
             self.sock.close()
+            self.engines.close()
         finally:
             self.path.unlink(missing_ok=True)
 
@@ -172,10 +191,15 @@ def fetch(state_dir: Path, timeout_s: float = 2.0) -> Held | None:
     path = Path(state_dir) / BROKER
     if not path.exists():
         return None
+    return fetch_from(str(path), timeout_s)
+
+
+def fetch_from(address: str, timeout_s: float = 2.0) -> Held | None:
+    """The held socket from the broker at `address` (a path, or an abstract name: engine_broker())."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout_s)
         try:
-            s.connect(str(path))
+            s.connect(address)
             _msg, fds, _flags, _addr = socket.recv_fds(s, 16, 1)
         except OSError:
             return None

@@ -11,11 +11,12 @@ def block_stop_signals() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
-def next_stop_signal(timeout_s: float) -> int | None:
-    """The stop signal that arrived within `timeout_s`, else None.  A process
-    restored by CRIU can see its interrupted wait return with a garbage
-    siginfo: anything but a stop signal counts as nothing."""
-    info = signal.sigtimedwait(STOP_SIGNALS, timeout_s)
-    if info is None or info.si_signo not in STOP_SIGNALS:
+def next_stop_signal(timeout_s: float, also: frozenset = frozenset()) -> int | None:
+    """The stop signal (or one of `also`, blocked by the caller) that arrived within `timeout_s`, else
+    None.  A process restored by CRIU can see its interrupted wait return with a garbage siginfo:
+    anything but the signals waited for counts as nothing."""
+    wanted = STOP_SIGNALS | also
+    info = signal.sigtimedwait(wanted, timeout_s)
+    if info is None or info.si_signo not in wanted:
         return None
     return info.si_signo

@@ -138,6 +138,7 @@ class State:
         self.prepared_mode = False
         self.sleep_public = False
         self.on_ready = None  # called once, when it became ready (start accepting on a given socket)
+        self.listeners = None  # restartkit.reference.detach.Listeners, where the engine serves on a held socket
 
     def drain(self, deadline_s: float = 30.0, queued: Iterable[threading.Thread] = ()) -> int:
         """Wait until every request in flight has its answer written, and the connections found queued at
@@ -267,6 +268,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._sleep_or_wake(path, query)
             elif path.startswith("/admin/") and not self._local_only():
                 return
+            elif path == "/admin/detach_listener":
+                self._admin_detach(body)
             elif path == "/admin/drop_kv_cache":
                 self._admin_drop_kv()
             elif path == "/admin/release_weights":
@@ -294,6 +297,20 @@ class Handler(BaseHTTPRequestHandler):
         except Exception as e:  # one bad request must not take the engine down
             log(f"error on {path}: {type(e).__name__}: {e}")
             self._error(500, f"{type(e).__name__}: {e}", "server_error")
+
+    def _admin_detach(self, body: dict) -> None:
+        from restartkit.reference.detach import DetachError
+        broker = body.get("broker")
+        if not isinstance(broker, str) or not broker:
+            self._error(400, "'broker' must name the address to take the held socket back from", param="broker")
+            return
+        if self.server.state.listeners is None:
+            self._error(409, "this engine serves no held socket", "conflict")
+            return
+        try:
+            self._send(200, {"admin_port": self.server.state.listeners.detach(broker)})
+        except DetachError as e:
+            self._error(409, str(e), "conflict")
 
     def _sleep_or_wake(self, path: str, query: dict) -> None:
         st = self.server.state

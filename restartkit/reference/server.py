@@ -19,6 +19,7 @@ import time
 from restartkit.reference.api import EngineServer, State
 from restartkit.reference.args import parse_args
 from restartkit.reference.assemble import _load
+from restartkit.reference.detach import Listeners
 from restartkit.reference.log import log
 from restartkit.reference.ready import take_ready_fd
 from restartkit.reference.workers import _stop_workers, serve_worker, spawn_workers
@@ -44,6 +45,8 @@ def serve(args: argparse.Namespace) -> int:
     # Signals are blocked in every thread and taken by the main thread alone,
     # with sigtimedwait: handlers do nothing, the loop below acts.
     block_stop_signals()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})  # take the held socket back (detach.py)
+    listeners = state.listeners = Listeners(state, server)
     host, port = server.server_address[:2]
     if given is not None:  # its connections wait in the kernel's queue until this engine can answer them
         state.on_ready = server.start
@@ -58,8 +61,10 @@ def serve(args: argparse.Namespace) -> int:
     loader.start()
     taken = False
     while True:
-        signo = next_stop_signal(0.2)
-        if signo is not None:
+        signo = next_stop_signal(0.2, also=frozenset({signal.SIGUSR2}))
+        if signo == signal.SIGUSR2:
+            listeners.reattach()
+        elif signo is not None:
             break
         if state.ready and not taken:  # not while loading: it would draw clients to its 503s
             taken = True
@@ -78,7 +83,7 @@ def serve(args: argparse.Namespace) -> int:
     log(f"received {signal.Signals(signo).name}; finishing in-flight requests")
     # Close the listener first (with SO_REUSEPORT the other engine takes new connections at once), answering
     # those already queued on it; the engine stays ready for what it accepted.
-    left = state.drain(queued=server.stop_listening())
+    left = state.drain(queued=listeners.stop_listening())
     if state.engine is not None:
         state.engine.shutdown_workers()
     _stop_workers(workers)
@@ -170,8 +175,14 @@ def serve_prepared(args: argparse.Namespace) -> int:
                 return 98
             public.start()
             took = public.take_new_connections()  # before "ready": then restartkit stops the engine before
-            _write_status(args.status_file, state="ready", admin_port=admin_port, phases=state.phases)
-            log(f"active: listening on http://{args.host}:{args.port} too" + (", taking every new connection" if took else ""))
+            # promoted: it listens where the service does and nowhere else (the private port served restartkit's
+            # checks before; with the whole API on it, it must not outlive them)
+            private.halt()
+            private.server_close()
+            private = None
+            _write_status(args.status_file, state="ready", phases=state.phases)
+            log(f"active: listening on http://{args.host}:{args.port}, its private port closed"
+                + (", taking every new connection" if took else ""))
     log(f"received {signal.Signals(signo).name}; finishing in-flight requests")
     queued = [t for srv in (public, private) if srv is not None for t in srv.stop_listening()]
     state.drain(queued=queued)

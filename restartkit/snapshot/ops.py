@@ -29,6 +29,8 @@ from restartkit.snapshot.seal import seal, seal_problem
 from restartkit.snapshot.cudackpt import CudaCheckpoint, uses_cuda
 from restartkit.snapshot.store import Snapshot, SnapshotStore, dir_bytes
 from restartkit.process.engine import EngineProcess, describe_exit
+from restartkit.process.listener import engine_broker
+from restartkit.process.shm import held_by
 from restartkit.process.procfs import (comm, environ_and_argv, fd_targets, kill_tree, maps, parent, proc_state, reap,
                                        tree_pids)
 from restartkit.process.seam import Seam
@@ -146,7 +148,8 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
     images = store.new_dir()
     service.intent.update(images=str(images))  # a create killed halfway leaves it: the next command removes it
     crit = Criu(facts.host.criu.path)
-    dump = _dump(service, crit, proc.pid, pids, images, kind == "weightless", leave_running, progress)
+    held = bool((facts.service.stats or {}).get("held_socket"))  # it gives that up for the dump (detach.py)
+    dump = _dump(service, crit, proc.pid, pids, images, kind == "weightless", leave_running, progress, held)
     if not leave_running:
         service.engine.pidfile.unlink(missing_ok=True)
     manifest = _manifest(service, facts, kind, proc.pid, pids, ident, canary, crit, dump, images, leave_running)
@@ -188,23 +191,32 @@ class _Dumped:
     freeze_s: float = 0.0  # the engine served nothing from the release of its KV cache until it was put back
     shrunk: dict = field(default_factory=dict)  # what the engine freed before the dump
     reattached: dict = field(default_factory=dict)  # what it said when it took its weights back (left running)
+    admin_port: int | None = None  # on a held socket: the private port it served admin calls on meanwhile
 
 
 def _dump(service, crit: Criu, pid: int, pids: list[int], images: Path, weightless: bool, leave_running: bool,
-          progress) -> _Dumped:
+          progress, held: bool = False) -> _Dumped:
     """KV cache (and weights: weights-less) released, device memory to the host, CRIU dump, and the
     engine put back when it stays running.  Whatever fails, the engine is put back and the images go.
     The command's guard defers SIGTERM/SIGHUP/SIGINT until the engine is put back; a SIGKILL leaves
-    the intent saying the KV cache was dropped, and the next command gives it back."""
+    the intent saying the KV cache was dropped, and the next command gives it back.  `held`: the
+    engine serves on supervise's held socket, which it gives up first (clients wait in its queue)."""
     adapter, pol = service.adapter, service.policy
     out = _Dumped(gpu=any(uses_cuda(p) for p in pids))
     cuda = CudaCheckpoint() if out.gpu else None
     checkpointed = kv_dropped = dumped = False
+    base = None
     try:
         check_interrupted(service, "the snapshot was not taken; the engine keeps serving")
         t = frozen = time.monotonic()
+        if held:
+            service.intent.update(detached={"pid": pid})
+            base = adapter.detach_listener(pol, engine_broker(service.state_dir))
+            out.admin_port = int(base.rsplit(":", 1)[1])
+            service.intent.update(detached={"pid": pid, "admin_port": out.admin_port})
+            out.phases["detach_listener"] = round(time.monotonic() - t, 3)
         service.intent.update(kv_dropped="weights" if weightless else True)
-        out.shrunk = adapter.before_snapshot(pol, weights=weightless)
+        out.shrunk = adapter.before_snapshot(pol, weights=weightless, base=base)
         kv_dropped = True
         out.phases["release_weights" if weightless else "drop_kv_cache"] = round(time.monotonic() - t, 3)
         if weightless and (held := arena_holders(pids)):
@@ -221,19 +233,20 @@ def _dump(service, crit: Criu, pid: int, pids: list[int], images: Path, weightle
         check_interrupted(service, "the snapshot was not taken; the engine keeps serving")
         progress(f"dumping PID {pid} ({len(pids)} processes) with CRIU into {images}")
         t = time.monotonic()
-        crit.dump(pid, images, leave_running=leave_running, shm_files=shm_files(pids))
+        crit.dump(pid, images, leave_running=leave_running, shm_files=held_by(pids))
         dumped = True
         out.phases["criu_dump"] = round(time.monotonic() - t, 3)
         out.freeze_s = round(time.monotonic() - frozen, 3)  # the engine is gone after it, unless put back
     except BaseException:
         if not dumped or leave_running:
-            _put_back(service, pids, cuda if checkpointed else None, kv_dropped, weightless)
+            _put_back(service, pids, cuda if checkpointed else None, kv_dropped, weightless, base, pid)
         _discard(images, service)
         raise
     if leave_running:
         t = time.monotonic()
         try:
-            out.reattached = _put_back(service, pids, cuda if checkpointed else None, kv_dropped, weightless)
+            out.reattached = _put_back(service, pids, cuda if checkpointed else None, kv_dropped, weightless, base,
+                                       pid)
         except Exception as e:
             _discard(images, service)
             raise StrategyError(f"the engine did not come back after the dump: {e}",
@@ -253,6 +266,7 @@ def _manifest(service, facts, kind: str, pid: int, pids: list[int], ident: dict,
         "criu_via": crit.last_via, "phases": dump.phases,
         "kv_cache_freed_bytes": dump.shrunk.get("kv_cache_freed_bytes", 0), "image_bytes": dir_bytes(images),
         "left_running": leave_running, "files": image_sizes(images), "freeze_s": dump.freeze_s,
+        "listener": {"held": dump.admin_port is not None, "admin_port": dump.admin_port},
     }
     if kind == "weightless":
         # what the restore re-attaches: the weight cache's fingerprint for each rank, as the engine asked for it
@@ -299,17 +313,6 @@ def _discard(images: Path, service) -> None:
     shutil.rmtree(images, ignore_errors=True)
 
 
-def shm_files(pids: list[int]) -> list[str]:
-    """Files in /dev/shm the tree holds open or maps (vLLM's message queues,
-    Python's semaphores): the ones still linked, to be saved with the image."""
-    found = set()
-    for p in pids:
-        found.update(t for t in fd_targets(p) if t.startswith("/dev/shm/"))
-        found.update(line.split(None, 5)[5].strip() for line in maps(p)
-                     if len(line.split(None, 5)) == 6 and " /dev/shm/" in line)
-    return sorted(t for t in found if not t.endswith("(deleted)") and os.path.exists(t))
-
-
 def cuda_pids(pids: list[int]) -> list[int]:
     return [p for p in pids if uses_cuda(p)]
 
@@ -328,15 +331,36 @@ def _devices_back(cuda: CudaCheckpoint, pids: list[int]) -> None:
         cuda.unlock(p)
 
 
-def _put_back(service, pids: list[int], cuda: CudaCheckpoint | None, kv_dropped: bool, weights: bool = False) -> dict:
-    """The engine as it was before the dump: device memory back, weights re-attached, KV cache back."""
+def _put_back(service, pids: list[int], cuda: CudaCheckpoint | None, kv_dropped: bool, weights: bool = False,
+              base: str | None = None, pid: int | None = None) -> dict:
+    """The engine as it was before the dump: device memory back, weights re-attached, KV cache back, and
+    (`base`: it gave up the held socket, serving admin calls there) the held socket taken back."""
     if cuda is not None:
         _devices_back(cuda, pids)
     out = {}
     if kv_dropped:
-        out = service.adapter.after_resume(service.policy, weights=weights)
+        out = service.adapter.after_resume(service.policy, weights=weights, base=base)
         service.intent.update(kv_dropped=False)
+    if base is not None:
+        take_back_listener(service, pid)
     return out
+
+
+def take_back_listener(service, pid: int, timeout_s: float = 10.0) -> None:
+    """SIGUSR2: the engine takes the held socket back from supervise's broker (restartkit.reference.detach);
+    returns once it serves on it again."""
+    os.kill(pid, signal.SIGUSR2)
+    if not service.seam.wait_until(lambda: _serves_public(service), timeout_s):
+        raise StrategyError(f"PID {pid} did not take the held socket back within {timeout_s:.0f} s",
+                            hint="is `restartkit supervise` still running? its broker hands the socket over")
+    service.intent.update(detached=None)
+
+
+def _serves_public(service) -> bool:
+    try:
+        return bool(service.adapter.stats(service.policy, timeout=2.0).get("held_socket"))
+    except Exception:
+        return False
 
 
 def weight_cache_fingerprints(facts) -> list[dict]:
@@ -432,17 +456,22 @@ def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict, dict]:
             phases["cuda_restore"] = device_restore(pid)
         t = time.monotonic()
         weightless = snap.manifest.get("kind") == "weightless"
+        base = admin_base(snap.manifest)  # it gave up the held socket for its dump: admin calls go there
         try:
             # a re-attach maps one handle and allocates the KV cache: seconds at most, whatever the start timeout
             limit = max(1.0, deadline - time.monotonic())
             load = service.adapter.after_resume(service.policy, timeout=min(limit, REATTACH_TIMEOUT_S) if weightless
-                                                else limit, weights=weightless)
+                                                else limit, weights=weightless, base=base)
         except Exception as e:
             what = "its weights from the weight cache" if weightless else "its KV cache"
             raise StrategyError(f"the restored engine (PID {pid}) did not take {what} back: "
                                 f"{getattr(e, 'message', None) or e}",
                                 hint=_ask_for_stacks(service, pid) if _no_answer(e) else None) from None
         phases["reattach_weights" if weightless else "kv_cache_restore"] = round(time.monotonic() - t, 3)
+        if base is not None:
+            t = time.monotonic()
+            take_back_listener(service, pid)
+            phases["take_back_listener"] = round(time.monotonic() - t, 3)
         t = time.monotonic()
         remaining = max(1.0, deadline - time.monotonic())
         proc.wait_ready(lambda: service.adapter.probe(service.policy, timeout=min(30.0, remaining)), remaining)
@@ -457,6 +486,13 @@ def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict, dict]:
         raise
     service.engine.mark_ready(proc, "criu+ipc" if weightless else "criu")
     return proc, phases, load
+
+
+def admin_base(manifest: dict) -> str | None:
+    """Where a restored engine of this snapshot answers admin calls before it takes the held socket back
+    (None: it restores with its own socket)."""
+    port = (manifest.get("listener") or {}).get("admin_port")
+    return f"http://127.0.0.1:{int(port)}" if port else None
 
 
 # how a restored engine ends when others end it (a stop, a kill): nothing to do with its images

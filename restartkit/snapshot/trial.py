@@ -141,14 +141,17 @@ def _inside(args) -> dict:
     # a weights-less copy maps the weights from the serving engine's weight cache (a second user
     # of the same arena: no second copy of the weights), then gets its own KV cache
     weightless = manifest.get("kind") == "weightless"
-    adapter.after_resume(pol, weights=weightless)
+    from restartkit.snapshot.ops import admin_base
+    base = admin_base(manifest)  # it gave up supervise's held socket for its dump: the copy answers there alone
+    adapter.after_resume(pol, weights=weightless, base=base)
     phases["reattach_weights" if weightless else "kv_cache_restore"] = round(time.monotonic() - t, 3)
     t = time.monotonic()
     last: list[Exception] = []
 
     def answers() -> bool:
         try:
-            adapter.probe(pol)
+            if not adapter.completion(pol, "ready?", 1, base=base).get("choices"):
+                raise RuntimeError("completion answered without choices")
             return True
         except Exception as e:
             last[:] = [e]
@@ -157,7 +160,7 @@ def _inside(args) -> dict:
         raise StrategyError(f"the restored copy did not answer within {pol.restart['start_timeout_s']:.0f} s: {last[0]}")
     phases["ready"] = round(time.monotonic() - t, 3)
     t = time.monotonic()
-    tokens = adapter.canary(pol)
+    tokens = adapter.canary(pol, base=base)
     phases["canary"] = round(time.monotonic() - t, 3)
     return {"ok": True, "tokens": tokens, "phases": phases}
 
