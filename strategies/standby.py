@@ -24,12 +24,8 @@ def enabled(facts: Facts, policy) -> str | None:
 
 
 def engine_can_stand_by(facts: Facts, policy) -> str | None:
-    if policy.service["engine"] != "reference":
-        return (f"the {policy.service['engine']} adapter has no prepare-only mode (deferred KV cache and port) "
-                "restartkit can hold a standby in; see the README")
-    if policy.ipc["mode"] != "zero_copy":
-        return "a standby maps its weights from the weight cache: [ipc] mode must be 'zero_copy' (no second copy)"
-    return None
+    from restartkit.commands.standby import cannot_stand_by
+    return cannot_stand_by(policy)
 
 
 def reason_fits(facts: Facts, policy) -> str | None:

@@ -44,12 +44,21 @@ def _paths(service) -> tuple[Path, Path]:
     return service.state_dir / STANDBY, service.state_dir / STATUS
 
 
+def cannot_stand_by(policy) -> str | None:
+    """Why no standby can be held for this service (None: one can)."""
+    if policy.service["engine"] != "reference":
+        return (f"the {policy.service['engine']} adapter has no prepare-only mode (deferred KV cache and port) "
+                "restartkit can hold a standby in; see the README")
+    if policy.ipc["mode"] != "zero_copy":
+        return "a standby maps its weights from the weight cache: [ipc] mode must be 'zero_copy' (no second copy)"
+    return None
+
+
 def arm(service) -> dict:
     """Start a standby (no wait: `state(service)` says when it is prepared); returns its record."""
     from restartkit.errors import UsageError
     from restartkit.process.lifecycle import _disk_digest
-    from restartkit.strategies.standby import engine_can_stand_by
-    if why := engine_can_stand_by(None, service.policy):  # before any process is spawned
+    if why := cannot_stand_by(service.policy):  # before any process is spawned
         raise UsageError(f"no standby can be armed for {service.policy.name}: {why}",
                          hint=f"set [standby] enabled = false in {service.policy.path}, or see the README's standby section")
     path, status = _paths(service)

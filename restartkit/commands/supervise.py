@@ -428,11 +428,11 @@ class Supervisor:
         than every few seconds: one that keeps failing does not take the engine's CPUs); the time the
         service was without a prepared standby is measured (`rearm_s`)."""
         from restartkit.commands.standby import arm, consumed, disarm, stale, state
-        from restartkit.strategies.standby import engine_can_stand_by
+        from restartkit.commands.standby import cannot_stand_by
         svc, sb = self.service, self.standby
         if not svc.policy.standby["enabled"] or svc.engine.degraded:
             return
-        if why := engine_can_stand_by(None, svc.policy):  # said once; no process spawned to be refused
+        if why := cannot_stand_by(svc.policy):  # said once; no process spawned to be refused
             if not sb.get("refused"):
                 sb["refused"] = why
                 self.say(f"{svc.policy.name}: [standby] enabled, but no standby is armed: {why}")

@@ -299,7 +299,6 @@ class Handler(BaseHTTPRequestHandler):
             self._error(500, f"{type(e).__name__}: {e}", "server_error")
 
     def _admin_detach(self, body: dict) -> None:
-        from restartkit.reference.detach import DetachError
         broker = body.get("broker")
         if not isinstance(broker, str) or not broker:
             self._error(400, "'broker' must name the address to take the held socket back from", param="broker")
@@ -309,7 +308,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         try:
             self._send(200, {"admin_port": self.server.state.listeners.detach(broker)})
-        except DetachError as e:
+        except RuntimeError as e:  # detach.DetachError: nothing to give up
             self._error(409, str(e), "conflict")
 
     def _sleep_or_wake(self, path: str, query: dict) -> None:

@@ -27,6 +27,7 @@ from restartkit.process.signals import block_stop_signals, next_stop_signal
 
 
 def serve(args: argparse.Namespace) -> int:
+    # long: start-up, the serving loop and the stop in the order they happen, each step's failure handled in place
     take_ready_fd()
     # SIGQUIT: every thread's stack to the log, the engine keeps running (a hang can be read, not guessed)
     faulthandler.register(signal.SIGQUIT, all_threads=True)

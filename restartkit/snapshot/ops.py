@@ -201,6 +201,7 @@ def _dump(service, crit: Criu, pid: int, pids: list[int], images: Path, weightle
     The command's guard defers SIGTERM/SIGHUP/SIGINT until the engine is put back; a SIGKILL leaves
     the intent saying the KV cache was dropped, and the next command gives it back.  `held`: the
     engine serves on supervise's held socket, which it gives up first (clients wait in its queue)."""
+    # long: each step of the dump in order, and the one rollback that undoes whichever of them ran
     adapter, pol = service.adapter, service.policy
     out = _Dumped(gpu=any(uses_cuda(p) for p in pids))
     cuda = CudaCheckpoint() if out.gpu else None
@@ -346,14 +347,16 @@ def _put_back(service, pids: list[int], cuda: CudaCheckpoint | None, kv_dropped:
     return out
 
 
-def take_back_listener(service, pid: int, timeout_s: float = 10.0) -> None:
+def take_back_listener(service, pid: int, timeout_s: float = 10.0) -> float:
     """SIGUSR2: the engine takes the held socket back from supervise's broker (restartkit.reference.detach);
-    returns once it serves on it again."""
+    returns once it serves on it again, with the seconds that took."""
+    t = time.monotonic()
     os.kill(pid, signal.SIGUSR2)
     if not service.seam.wait_until(lambda: _serves_public(service), timeout_s):
         raise StrategyError(f"PID {pid} did not take the held socket back within {timeout_s:.0f} s",
                             hint="is `restartkit supervise` still running? its broker hands the socket over")
     service.intent.update(detached=None)
+    return round(time.monotonic() - t, 3)
 
 
 def _serves_public(service) -> bool:
@@ -468,21 +471,17 @@ def restore(service, facts, snap: Snapshot) -> tuple[EngineProcess, dict, dict]:
                                 f"{getattr(e, 'message', None) or e}",
                                 hint=_ask_for_stacks(service, pid) if _no_answer(e) else None) from None
         phases["reattach_weights" if weightless else "kv_cache_restore"] = round(time.monotonic() - t, 3)
-        if base is not None:
-            t = time.monotonic()
-            take_back_listener(service, pid)
-            phases["take_back_listener"] = round(time.monotonic() - t, 3)
+        if base is not None:  # then the held socket, from supervise
+            phases["take_back_listener"] = take_back_listener(service, pid)
         t = time.monotonic()
         remaining = max(1.0, deadline - time.monotonic())
         proc.wait_ready(lambda: service.adapter.probe(service.policy, timeout=min(30.0, remaining)), remaining)
         phases["ready"] = round(time.monotonic() - t, 3)
-    except StrategyError as e:
+    except BaseException as e:
         kill_tree(pid)
         service.engine.pidfile.unlink(missing_ok=True)
-        raise _blame(e, pid, restored_exit(snap.path)) from None
-    except BaseException:
-        kill_tree(pid)
-        service.engine.pidfile.unlink(missing_ok=True)
+        if isinstance(e, StrategyError):
+            raise _blame(e, pid, restored_exit(snap.path)) from None
         raise
     service.engine.mark_ready(proc, "criu+ipc" if weightless else "criu")
     return proc, phases, load
