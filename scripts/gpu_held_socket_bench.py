@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from supervise_bench import RK, ROOT, answers, cli, standby_prepared  # noqa: E402
+from supervise_bench import RK, ROOT, answers, cli, print_verdicts, standby_prepared  # noqa: E402
 
 from restartkit.clients import ClientLoad, summarize  # noqa: E402
 
@@ -178,10 +178,7 @@ def main() -> int:
         (f"longest wait {got['longest_wait_s']} s (<= 3 s)", got["longest_wait_s"] <= 3.0),
         (f"one greedy answer before and after ({got['answers']} answers)", got["same_answers"] and got["answers"] > 0),
     ]
-    print("verdict")
-    for what, ok in verdicts:
-        print(f"  {'ok  ' if ok else 'FAIL'} {what}")
-    return 0 if all(ok for _, ok in verdicts) else 1
+    return print_verdicts(verdicts)
 
 
 if __name__ == "__main__":

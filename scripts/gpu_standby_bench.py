@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from supervise_bench import ROOT, cli, gpu_mib  # noqa: E402
+from supervise_bench import ROOT, cli, gpu_mib, print_verdicts  # noqa: E402
 
 
 def planned(work: Path, device: str, preset: str, repeat: int, kv_ahead: str, port: int, overlap: bool,
@@ -142,10 +142,7 @@ def main() -> int:
                              " (<= 0.1 s)", bool(downs) and statistics.median(downs) <= 0.1))
         verdicts.append((f"canary identical in every run, {len(ttr)}/{len(runs)} served by standby",
                          bool(runs) and len(ttr) == len(runs) and all(r["canary_identical"] for r in runs)))
-        print("verdict")
-        for what, ok in verdicts:
-            print(f"  {'ok  ' if ok else 'FAIL'} {what}")
-        return 0 if all(ok for _, ok in verdicts) else 1
+        return print_verdicts(verdicts)
     crash = subprocess.run([sys.executable, str(ROOT / "scripts" / "supervise_bench.py"), "--device", a.device,
                             "--preset", a.preset, "--kills", str(a.kills), "--modes", a.modes, "--work",
                             str(work / "supervise"), "--model", str(work / a.preset), "--watchdog-sec", "0",
@@ -173,10 +170,7 @@ def main() -> int:
         verdicts += against(mine, json.loads(Path(a.against).read_text()))
     if a.remove_model:
         shutil.rmtree(work / a.preset, ignore_errors=True)
-    print("verdict")
-    for what, ok in verdicts:
-        print(f"  {'ok  ' if ok else 'FAIL'} {what}")
-    return 0 if all(ok for _, ok in verdicts) else 1
+    return print_verdicts(verdicts)
 
 
 if __name__ == "__main__":

@@ -203,6 +203,14 @@ def sigterm_mid_restart(sup, notes: Notes, pol: Path, port: int) -> dict:
             "exit_after_s": round(exited, 3), "engines_left": engines_on(port)}
 
 
+def print_verdicts(verdicts: list[tuple[str, bool]]) -> int:
+    """The verdict table every device script ends with; its exit code (0: every verdict ok)."""
+    print("verdict")
+    for what, ok in verdicts:
+        print(f"  {'ok  ' if ok else 'FAIL'} {what}")
+    return 0 if all(ok for _, ok in verdicts) else 1
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="small")
@@ -286,10 +294,8 @@ backoff_max_s = 0.01
                   f"resident, {sb['gpu_mib']} MiB of device memory")
         verdicts.append((f"{name}: every crash served again with an identical canary",
                          all(r["canary_identical"] for r in runs) and all(r["reason"] == "crash" for r in runs)))
-    print("\nverdict")
-    for what, ok in verdicts:
-        print(f"  {'ok  ' if ok else 'FAIL'} {what}")
-    return 0 if all(ok for _, ok in verdicts) else 1
+    print()
+    return print_verdicts(verdicts)
 
 
 if __name__ == "__main__":

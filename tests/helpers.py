@@ -209,6 +209,17 @@ class Supervised:
             time.sleep(0.3)
         raise AssertionError(f"no record #{n} within {timeout} s")
 
+    def crash_while_serving(self) -> tuple[int, dict, float]:
+        """SIGKILL the serving engine once it has served past [supervise] min_uptime_s (a crash, not a failed
+        start); returns its PID, the record of the restart that served the crash, and when it was killed."""
+        engine, records = self.status()["pid"], len(self.records())
+        time.sleep(6.0)
+        killed = time.monotonic()
+        os.kill(engine, signal.SIGKILL)
+        rec = self.wait_record(records + 1)
+        time.sleep(1.0)
+        return engine, rec, killed
+
     def close(self):
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)

@@ -269,12 +269,7 @@ def test_under_supervise_a_full_snapshot_restores_on_the_held_socket(make_policy
         assert made.returncode == 0, made.stdout + made.stderr
         snap = json.loads(made.stdout)
         assert snap["kind"] != "weightless" and snap["listener"]["held"] is True, snap
-        engine, records = s.status()["pid"], len(s.records())
-        time.sleep(6.0)  # past [supervise] min_uptime_s
-        kill = time.monotonic()
-        os.kill(engine, signal.SIGKILL)
-        rec = s.wait_record(records + 1)
-        time.sleep(1.0)
+        engine, rec, kill = s.crash_while_serving()
     finally:
         load.stop()
     assert rec["served_by"] == "criu" and rec["proof"]["canary_identical"], (rec["served_by"], rec["attempts"])

@@ -175,12 +175,7 @@ def test_under_supervise_a_crash_restores_criu_ipc_on_the_held_socket(make_polic
         assert tested.returncode == 0 and json.loads(tested.stdout)["canary_identical"], tested.stdout + tested.stderr
         p = plan(policy)
         assert verdict(p, "criu+ipc")["eligible"], verdict(p, "criu+ipc")
-        engine, records = s.status()["pid"], len(s.records())
-        time.sleep(6.0)  # past [supervise] min_uptime_s: a crash, not a failed start
-        kill = time.monotonic()
-        os.kill(engine, signal.SIGKILL)
-        rec = s.wait_record(records + 1)
-        time.sleep(1.0)
+        engine, rec, kill = s.crash_while_serving()
     finally:
         load.stop()
     assert rec["served_by"] == "criu+ipc" and rec["proof"]["canary_identical"], (rec["served_by"], rec["attempts"])
