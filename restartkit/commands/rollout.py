@@ -49,7 +49,7 @@ def vllm_preload_argv(policy) -> list[str]:
 
 def ensure_cache(service: Service, say) -> str:
     pol = service.policy
-    if pol.service["engine"] == "reference":
+    if service.adapter.weight_cache_of(pol) == "restartkit":  # restartkit's daemons (vLLM: its plugin's load format)
         from restartkit.weightcache.client import daemon_stats
         if all(d.get("state") == "ready" for d in daemon_stats(pol)):
             return "the weight cache was already serving"
@@ -58,10 +58,8 @@ def ensure_cache(service: Service, say) -> str:
         if rc:
             raise StrategyError(f"the weight cache did not start (exit {rc})", hint=f"see {service.state_dir}/weightcache.log")
         return "started the weight cache"
-    if pol.service["engine"] == "vllm":
+    if pol.service["engine"] == "vllm":  # vLLM's own weight cache: [ipc] health_port set
         i = pol.ipc
-        if not i["health_port"]:
-            raise StrategyError("set [ipc] health_port: rollout starts `vllm preload` and waits on its health endpoint")
         url = f"http://{i['health_host']}:{i['health_port']}/health"
         try:
             http.get(url, timeout=3)

@@ -46,12 +46,9 @@ def _paths(service) -> tuple[Path, Path]:
 
 def cannot_stand_by(policy) -> str | None:
     """Why no standby can be held for this service (None: one can)."""
-    if policy.service["engine"] != "reference":
-        return (f"the {policy.service['engine']} adapter has no prepare-only mode (deferred KV cache and port) "
-                "restartkit can hold a standby in; see the README")
-    if policy.ipc["mode"] != "zero_copy":
-        return "a standby maps its weights from the weight cache: [ipc] mode must be 'zero_copy' (no second copy)"
-    return None
+    from restartkit.engines import get_adapter
+    adapter, problem = get_adapter(policy.service["engine"])
+    return problem if adapter is None else adapter.standby_problem(policy)
 
 
 def arm(service) -> dict:

@@ -88,6 +88,15 @@ class EngineAdapter:
     weight_cache = "engine"
     ipc_proof_in_log = False  # does the engine say hit or fallback only in its log (see ipc_log_verdict)?
 
+    def weight_cache_of(self, policy) -> str:
+        """Whose weight cache this policy's engine attaches from (see weight_cache)."""
+        return self.weight_cache
+
+    def standby_problem(self, policy) -> str | None:
+        """Why no standby of this engine can be held for this policy (None: one can)."""
+        return (f"the {self.name} adapter has no prepare-only mode (deferred KV cache and port) restartkit can "
+                "hold a standby in; see the README")
+
     def ipc_log_verdict(self, policy, text: str) -> dict:
         """{"ipc": "hit" | "fallback" | "mixed" | "unknown", "ranks": [...], "summary": str} from the log."""
         raise NotImplementedError(f"the {self.name} adapter reports its weight source in its stats")

@@ -23,6 +23,11 @@ class ReferenceAdapter(EngineAdapter):
                     "(two engines' ranks on the same devices at once are not)")
         return None
 
+    def standby_problem(self, policy) -> str | None:
+        if policy.ipc["mode"] != "zero_copy":
+            return "a standby maps its weights from the weight cache: [ipc] mode must be 'zero_copy' (no second copy)"
+        return None
+
     def launch(self, policy, extra_args=()) -> LaunchSpec:
         s = policy.service
         argv = [python(), "-m", "restartkit.reference.server", "--model", s["model"],

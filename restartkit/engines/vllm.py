@@ -1,9 +1,14 @@
-"""vLLM: `python -m vllm.entrypoints.openai.api_server` (the `vllm` command of
-the CPU build looks up a distribution named `vllm` and fails).
+"""vLLM: started through restartkit's launcher (restartkit.engines.vllm_serve), which serves vLLM's
+own app on the service's held socket or its port, and restartkit's admin calls to loopback clients.
+In vLLM's processes restartkit's plugin (restartkit.engines.vllm_ext, a `vllm.general_plugins` entry
+point) adds the load format `restartkit_cache` (the weights from restartkit's weight cache) and a
+worker extension (release and re-attach around a weights-less dump).
 
 Readiness is a real completion (vLLM's /health answers 200 asleep or broken).
 The canary asks for token ids (`return_token_ids`).  What each feature needs:
-  ipc_cache + `vllm preload`: vLLM >= 0.31 on CUDA/ROCm
+  restartkit's weight cache (ipc, criu+ipc, standby): restartkit's plugin registered (pip install restartkit
+    in vLLM's Python); the daemons hold the checkpoint's tensors (dtype "checkpoint"), vLLM copies them in
+  vLLM's own ipc_cache + `vllm preload` ([ipc] health_port set): vLLM >= 0.31 on CUDA/ROCm
   sleep endpoints: CUDA/ROCm/XPU, and VLLM_SERVER_DEV_MODE=1 (which also exposes /collective_rpc)
   CRIU: io_uring off before the server starts; one plaintext HTTP server without API key.
 A missing feature is a reason in `plan`, never an error at restart time.
@@ -35,10 +40,33 @@ def _vtuple(v: str | None) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", v or "")[:3])
 
 
+def plugin_problem() -> str | None:
+    """Why restartkit's plugin is not there for vLLM to load (None: it is)."""
+    from importlib.metadata import entry_points
+    if any(e.name == "restartkit" for e in entry_points(group="vllm.general_plugins")):
+        return None
+    return ("restartkit's vLLM plugin is not registered in this Python (its `vllm.general_plugins` entry point): "
+            "reinstall restartkit there (`pip install -e .` or `pip install restartkit`)")
+
+
 class VLLMAdapter(EngineAdapter):
     name = "vllm"
     label = "vLLM"
-    ipc_proof_in_log = True
+    ipc_proof_in_log = True  # with vLLM's own weight cache ([ipc] health_port): its log says hit or fallback
+    serves_on_socket = True  # restartkit's launcher serves on the service's held socket (--listen-fd)
+    weightless_snapshots = True  # the worker extension releases and re-attaches the weights
+
+    def weight_cache_of(self, policy) -> str:
+        """vLLM's own (`vllm preload`, seen through [ipc] health_port) or restartkit's daemons."""
+        return "engine" if policy.ipc["health_port"] else "restartkit"
+
+    def standby_problem(self, policy) -> str | None:
+        if problem := self.model_problem(policy) or plugin_problem():
+            return problem
+        if self.weight_cache_of(policy) == "engine":
+            return ("[ipc] health_port names vLLM's own weight cache (`vllm preload`); a standby vLLM loads "
+                    "from restartkit's: set health_port = 0 and run `restartkit preload`")
+        return None
 
     def ipc_log_verdict(self, policy, text: str) -> dict:
         s = policy.service
@@ -55,7 +83,7 @@ class VLLMAdapter(EngineAdapter):
 
     def launch(self, policy, extra_args=()) -> LaunchSpec:
         s = policy.service
-        argv = [python(), "-m", "vllm.entrypoints.openai.api_server", "--model", s["model"],
+        argv = [python(), "-m", "restartkit.engines.vllm_serve", "--model", s["model"],
                 "--host", s["host"], "--port", str(s["port"]), "--max-model-len", str(s["max_model_len"]),
                 "--tensor-parallel-size", str(s["tensor_parallel_size"])]
         if s["revision"]:
@@ -68,8 +96,12 @@ class VLLMAdapter(EngineAdapter):
             argv.append("--enable-expert-parallel")
         if policy.sleep["enabled"]:
             argv.append("--enable-sleep-mode")
+        if "--worker-extension-cls" not in s["engine_args"]:
+            from restartkit.engines.vllm_ext import EXTENSION
+            argv += ["--worker-extension-cls", EXTENSION]
         argv += list(s["engine_args"]) + list(extra_args)
-        env = dict(s["env"])
+        from restartkit.engines.vllm_ext import ENV
+        env = {ENV: "1", **s["env"]}
         if policy.sleep["enabled"]:
             env.setdefault("VLLM_SERVER_DEV_MODE", "1")
         return LaunchSpec(argv=argv, env=env)
@@ -83,6 +115,12 @@ class VLLMAdapter(EngineAdapter):
         return policy.service["model"]
 
     def stats(self, policy, timeout: float = 10.0) -> dict:
+        try:
+            return http.get(self.base_url(policy) + "/admin/stats", timeout=timeout)
+        except http.HTTPFailure as e:
+            if e.status != 404:
+                raise
+        # a vLLM started without restartkit's launcher
         return {"version": http.get(self.base_url(policy) + "/version", timeout=timeout).get("version")}
 
     # ---- features ------------------------------------------------------------
@@ -92,28 +130,59 @@ class VLLMAdapter(EngineAdapter):
         out: dict[str, str | None] = {}
         if v is None:
             return {"ipc": "vLLM is not installed", "sleep": "vLLM is not installed"}
-        if cpu or policy.service["device"] == "cpu":
-            out["ipc"] = f"vLLM {v} on the CPU has no ipc_cache loader or `vllm preload` (CUDA/ROCm only)"
+        on_cpu = cpu or policy.service["device"] == "cpu"
+        if self.weight_cache_of(policy) == "restartkit":
+            out["ipc"] = plugin_problem()
+        elif on_cpu:
+            out["ipc"] = (f"vLLM {v} on the CPU has no ipc_cache loader or `vllm preload` (CUDA/ROCm only): set [ipc] "
+                          "health_port = 0 to load from restartkit's weight cache instead")
+        else:
+            out["ipc"] = None if _vtuple(v) >= (0, 31) else f"vLLM {v} predates the ipc_cache loader (0.31 or newer)"
+        if on_cpu:
             out["sleep"] = (f"vLLM {v} on the CPU has no sleep mode (CUDA/ROCm/XPU only): its CPU workers "
                             "answer /sleep but free nothing")
-            return out
-        out["ipc"] = None if _vtuple(v) >= (0, 31) else f"vLLM {v} predates the ipc_cache loader (0.31 or newer)"
-        out["sleep"] = gpu_sleep_problem(policy)
+        else:
+            out["sleep"] = gpu_sleep_problem(policy)
         return out
 
     def plan_notes(self, policy) -> list[str]:
         if policy.sleep["enabled"]:
             return ["vLLM's sleep mode needs VLLM_SERVER_DEV_MODE=1, which also serves /collective_rpc "
                     "(arbitrary engine methods) on the serving port: keep that port on loopback"]
-        return []
+        return ["restartkit's launcher serves its admin calls (/admin/*: weights release and re-attach) to loopback "
+                "clients only; vLLM's dev-mode /collective_rpc stays off"]
+
+    def loader_config(self, policy) -> dict:
+        """restartkit_cache's config: the weight cache's keys, and what the fingerprint needs beyond vLLM's own."""
+        from restartkit.weightcache.loader import LOADER_KEYS
+        i, s = policy.ipc, policy.service
+        return {"cache": {k: i[k] for k in LOADER_KEYS},
+                "identity": {"quantization": s["quantization"], "revision": s["revision"]}}
 
     def ipc_args(self, policy) -> list[str]:
         i = policy.ipc
+        if self.weight_cache_of(policy) == "restartkit":
+            from restartkit.engines.vllm_ext import LOAD_FORMAT
+            return ["--load-format", LOAD_FORMAT, "--model-loader-extra-config", json.dumps(self.loader_config(policy))]
         from restartkit.weightcache.loader import LOADER_KEYS
         cfg = {k: i[k] for k in LOADER_KEYS if k != "socket_dir"}
         if i["socket_dir"]:
             cfg["socket_dir"] = i["socket_dir"]  # the loader's key for `vllm preload --weight-cache-socket-dir`
         return ["--load-format", "ipc_cache", "--model-loader-extra-config", json.dumps(cfg)]
+
+    # ---- a weights-less dump (restartkit's launcher: /admin/*) ----------------------
+    def before_snapshot(self, policy, weights: bool = False, base: str | None = None) -> dict:
+        if not weights:
+            return {}  # a whole-process dump: vLLM's KV cache goes into the image as it is
+        return http.post((base or self.base_url(policy)) + "/admin/release_weights", timeout=120)
+
+    def after_resume(self, policy, timeout: float = 120.0, weights: bool = False, base: str | None = None) -> dict:
+        if not weights:
+            return {}
+        loader = {**self.loader_config(policy), "absent_timeout_s": 5.0}
+        loader["cache"]["fallback"] = False  # re-attached from the cache or not at all
+        return http.post((base or self.base_url(policy)) + "/admin/reattach_weights", {"loader": loader},
+                         timeout=timeout).get("load") or {}
 
     # ---- sleep mode (POST /sleep, GET /is_sleeping, POST /wake_up, POST /collective_rpc) ----
     sleep_needs_reload = True  # level 2 drops the weights; vLLM reloads them only when asked

@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 from restartkit.weightcache import protocol
+from restartkit.weightcache.fingerprint import CHECKPOINT
 from restartkit.weightcache.launcher import Layout, expected_uuids
 
 
 def layout_from_policy(policy) -> Layout:
     s, i = policy.service, policy.ipc
-    dtype = s["dtype"] if s["dtype"] != "auto" else ("float32" if s["device"] == "cpu" else _checkpoint_dtype(s["model"]))
+    if s["engine"] == "vllm":  # vLLM's load format takes the checkpoint's tensors and processes them itself
+        dtype = CHECKPOINT
+    else:
+        dtype = s["dtype"] if s["dtype"] != "auto" else ("float32" if s["device"] == "cpu" else _checkpoint_dtype(s["model"]))
     return Layout(model=s["model"], device=s["device"], tp_size=s["tensor_parallel_size"], dp_size=s["data_parallel_size"],
                   dp_start_rank=i["data_parallel_start_rank"], expert_parallel=s["expert_parallel"], nnodes=i["nnodes"],
                   node_rank=i["node_rank"], master_addr=i["master_addr"],

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from restartkit.process.signals import block_stop_signals, next_stop_signal
 from restartkit.weightcache import protocol
-from restartkit.weightcache.fingerprint import describe, differences
+from restartkit.weightcache.fingerprint import CHECKPOINT, describe, differences
 
 PR_SET_PDEATHSIG = 1
 
@@ -139,15 +139,17 @@ class Daemon:
         device = torch.device(a.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        cfg = ModelConfig.load(a.model)
-        par = Parallel(tp_size=a.tp_size, tp_rank=a.tp_rank, expert_parallel=a.expert_parallel)
-        if problem := check_parallel(cfg, par):
-            raise ValueError(problem)
-        dtype = DTYPES[a.dtype]
         fp = fingerprint(a.model, tp_size=a.tp_size, tp_rank=a.tp_rank, dp_size=a.dp_size, dp_rank=a.dp_rank,
                          expert_parallel=a.expert_parallel, dtype=a.dtype, quantization=a.quantization,
                          revision=a.revision, draft=a.draft)
-        tensors = list(processed_weights(a.model, cfg, par, dtype, a.quantization, str(device)))
+        if a.dtype == CHECKPOINT:  # another engine's cache: the checkpoint's tensors as stored, it shards them itself
+            tensors = list(checkpoint_tensors(a.model, str(device)))
+        else:
+            cfg = ModelConfig.load(a.model)
+            par = Parallel(tp_size=a.tp_size, tp_rank=a.tp_rank, expert_parallel=a.expert_parallel)
+            if problem := check_parallel(cfg, par):
+                raise ValueError(problem)
+            tensors = list(processed_weights(a.model, cfg, par, DTYPES[a.dtype], a.quantization, str(device)))
         arena = pack(tensors, device)
         del tensors
         if device.type == "cuda":
@@ -157,6 +159,18 @@ class Daemon:
             self.arena, self.fingerprint, self.wire_manifest = arena, fp, wire
             self.load_s = round(time.perf_counter() - t0, 3)
             self.state = "ready"
+
+
+def checkpoint_tensors(model: str, device: str):
+    """(name, tensor) of every safetensors shard of `model`, as stored (names, dtypes, shapes): the
+    layout of an engine that loads the checkpoint itself (vLLM through restartkit's load format)."""
+    from safetensors import safe_open
+
+    from restartkit.reference.layout import shard_files
+    for path in shard_files(model):
+        with safe_open(str(path), framework="pt", device=device) as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
 
 
 def _alive(pid: int) -> bool:

@@ -23,6 +23,10 @@ from restartkit.reference.layout import shard_files
 FIELDS = ("checkpoint", "architecture", "tp_size", "tp_rank", "dp_size", "dp_rank", "expert_parallel",
           "dtype", "quantization", "revision", "engine", "engine_version", "draft")
 
+# the layout of a cache that holds the checkpoint's tensors as stored (for an engine that shards and
+# processes them itself, such as vLLM), in place of the reference engine's processed per-rank layout
+CHECKPOINT = "checkpoint"
+
 _CACHE = Path(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))) / "restartkit" / "digests.json"
 
 
@@ -87,7 +91,8 @@ def fingerprint(model_dir: str, *, tp_size: int = 1, tp_rank: int = 0, dp_size: 
         "architecture": (cfg.get("architectures") or ["?"])[0],
         "tp_size": tp_size, "tp_rank": tp_rank, "dp_size": dp_size, "dp_rank": dp_rank,
         "expert_parallel": expert_parallel, "dtype": dtype, "quantization": quantization,
-        "revision": revision, "engine": "reference", "engine_version": __version__, "draft": draft,
+        "revision": revision, "engine": CHECKPOINT if dtype == CHECKPOINT else "reference",
+        "engine_version": __version__, "draft": draft,
     }
 
 

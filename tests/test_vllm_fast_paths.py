@@ -1,0 +1,84 @@
+"""vLLM's fast paths against the real vLLM CPU build: restartkit's launcher, its plugin's load format
+(the weights from restartkit's weight cache) and worker extension (release and re-attach).  A standby
+vLLM under supervise takes over a SIGKILLed one on the held socket; ipc, criu+ipc and a planned
+standby restart are each proven by their record and an identical canary."""
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from restartkit.clients import ClientLoad, summarize
+from tests.conftest import run_cli
+from tests.helpers import START_S, SUPERVISE_FAST, cache_policy, cli_json, needs_vllm, shm_left, start_preload, strategy
+
+pytestmark = [pytest.mark.slow, needs_vllm]
+
+def wait_for(what, timeout=START_S):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if got := what():
+            return got
+        time.sleep(0.5)
+    raise AssertionError(f"not within {timeout} s")
+
+
+def status(policy) -> dict:
+    return json.loads(run_cli("status", "--policy", policy, "--json").stdout)
+
+
+def armed(policy, not_pids=()) -> dict:
+    return wait_for(lambda: (st := status(policy)["standby"]) and st["state"] == "prepared"
+                    and st["pid"] not in not_pids and st)
+
+
+def test_a_standby_vllm_takes_over_a_killed_one(make_policy, vllm_model, service_cleanup, sockdir, preloads, tmp_path):
+    """Under supervise with [standby]: plan says standby is eligible once armed; the serving vLLM's whole
+    process group SIGKILLed under 2 clients is answered again within 3 s by the standby, nothing refused, the
+    same answers; the re-armed standby leaves no /dev/shm of the dead one; a planned standby restart."""
+    from tests.helpers import Supervised
+    policy = cache_policy(make_policy, vllm_model, service_cleanup, sockdir,
+                          extra='\n[standby]\nenabled = true\nkv_ahead = "never"\n',
+                          # vLLM binds each engine's worker to core 0 of this 2-core host, where the serving one
+                          # spins: the standby's start would starve (give each its own cores on a real host)
+                          env=', VLLM_CPU_OMP_THREADS_BIND = "nobind"')
+    policy.write_text(policy.read_text() + SUPERVISE_FAST.format(burst=5))
+    shm_before = set(os.listdir("/dev/shm"))
+    start_preload(policy, preloads)
+    s = Supervised(policy, tmp_path)
+    try:
+        s.wait_note("READY=1", timeout=START_S)
+        first = status(policy)["pid"]
+        armed(policy)
+        code, plan = cli_json("plan", "--policy", policy, "--strategy", "standby")
+        assert strategy(plan, "standby")["eligible"], strategy(plan, "standby")
+        port = int(policy.read_text().split("port = ")[1].split()[0])
+        load = ClientLoad("127.0.0.1", port, str(vllm_model), clients=2, max_tokens=4, timeout_s=60).start()
+        try:
+            time.sleep(8.0)  # served past [supervise] min_uptime_s: a crash, not a failed start
+            records = len(s.records())
+            killed = time.monotonic()
+            os.killpg(first, signal.SIGKILL)
+            rec = s.wait_record(records + 1, timeout=120)
+            time.sleep(3.0)
+        finally:
+            load.stop()
+        got = summarize(load.snapshot(), [killed], clients=2)
+        assert rec["served_by"] == "standby" and rec["proof"]["canary_identical"] is True, rec
+        assert got["refused"] == 0 and got["http_5xx"] == 0, got
+        assert got["kill_to_answer_s"][0] is not None and got["kill_to_answer_s"][0] <= 3.0, got
+        assert len({tuple(a) for a in load.answers}) == 1, got
+        # re-armed on the new engine; what the dead one left in /dev/shm is gone
+        second = status(policy)["pid"]
+        armed(policy, not_pids=(first, second))
+        left = shm_left(shm_before)
+        assert all(os.path.basename(f).startswith("sem.mp-") and os.path.getsize(f) <= 64 for f in left), left
+        # a planned restart through the standby
+        code, rec = cli_json("restart", "--policy", policy, "--strategy", "standby", "--strict")
+        assert code == 0 and rec["served_by"] == "standby" and rec["proof"]["canary_identical"] is True, rec
+        print("vLLM standby: kill -> answer", got["kill_to_answer_s"], "planned restart to ready",
+              rec["time_to_ready_s"], "s")
+        assert rec["time_to_ready_s"] <= 2.0, rec
+    finally:
+        s.close()
