@@ -37,9 +37,11 @@ class CriuStrategy(BaseStrategy):
             out["io_uring_pids"] = [p for p, t in fds.items() if any("io_uring" in x for x in t)]
             load = facts.service.stats.get("load") or {}
             # the memfd arena on the CPU; a CUDA IPC mapping shows only in what the engine says of itself
-            # or copied from it by an engine that can load it from there again after a restore (vLLM's load format)
-            out["ipc_attached"] = bool(arena_holders(pids)) or (load.get("source") == "ipc" and (
-                load.get("mode") == "zero_copy" or bool(load.get("reattachable"))))
+            out["ipc_attached"] = bool(arena_holders(pids)) or (load.get("source") == "ipc"
+                                                                 and load.get("mode") == "zero_copy")
+            # copied from the cache by an engine that can load them from there again after a restore (vLLM's
+            # load format): no shared memory to keep out of the image, but a weights-less snapshot is possible
+            out["reattachable"] = load.get("source") == "ipc" and bool(load.get("reattachable"))
         out["identity"] = identity(service, facts)
         store = store_for(service)
         if problem := store.trust_problem():

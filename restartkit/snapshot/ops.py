@@ -129,7 +129,8 @@ def snapshot_kind(service, facts) -> str:
         return "full"
     if want == "exclude":
         return "weightless"
-    return "weightless" if facts.of("criu").get("ipc_attached") else "full"
+    c = facts.of("criu")
+    return "weightless" if c.get("ipc_attached") or c.get("reattachable") else "full"
 
 
 def create(service, facts, leave_running: bool = True, progress: Callable[[str], None] = lambda _m: None,
@@ -168,7 +169,7 @@ def _preflight(service, facts, pid: int, pids: list[int], weightless: bool, prog
         raise UsageError(f"the {service.adapter.name} adapter cannot release its weights before a dump, so a "
                          "snapshot without the weights cannot be taken",
                          hint="start the engine without the weight cache, or set [criu] weights = 'include'")
-    if weightless and not facts.of("criu").get("ipc_attached"):
+    if weightless and not (facts.of("criu").get("ipc_attached") or facts.of("criu").get("reattachable")):
         raise StrategyError("[criu] weights = 'exclude', but the engine loaded its weights from disk: there is no "
                             "weight cache to re-attach them from after a restore",
                             hint=f"restart it through the weight cache first (restartkit restart --policy "
