@@ -793,7 +793,7 @@ def model_create(preset, out, seed, dtype, device):
     """Write deterministic seeded random weights for a preset."""
     import os
     from restartkit.errors import UsageError
-    from restartkit.reference.checkpoint import write_checkpoint
+    from restartkit.reference.model.checkpoint import write_checkpoint
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
         raise UsageError(f"--out {out}: its parent directory {parent} does not exist", hint=f"mkdir -p {parent}")
@@ -814,7 +814,7 @@ def engine():
 @click.pass_context
 def engine_serve(ctx):
     """Serve a checkpoint: restartkit engine serve --model DIR [--port N] [--device cpu|cuda] ..."""
-    from restartkit.reference.server import main as serve_main
+    from restartkit.reference.serving.server import main as serve_main
     sys.exit(serve_main(ctx.args))
 
 

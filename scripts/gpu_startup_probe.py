@@ -35,8 +35,8 @@ FLOOR_VARIANTS = {
 
 
 def context_early(ordinal: int = 0):
-    """The engine's own early context (restartkit.reference.assemble; it imports no torch)."""
-    from restartkit.reference.assemble import start_cuda_context
+    """The engine's own early context (restartkit.reference.serving.assemble; it imports no torch)."""
+    from restartkit.reference.serving.assemble import start_cuda_context
     return start_cuda_context(ordinal)
 
 
@@ -58,9 +58,9 @@ def ops_child(preset: str, sdpa: str) -> dict:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     torch.cuda.set_device(0)
-    from restartkit.reference.checkpoint import PRESETS
-    from restartkit.reference.model import SINGLE
-    from restartkit.reference.weights import build_model
+    from restartkit.reference.model.checkpoint import PRESETS
+    from restartkit.reference.model.llama import SINGLE
+    from restartkit.reference.model.weights import build_model
     cfg = PRESETS[preset].config
     out = {}
     s = time.perf_counter()
@@ -151,9 +151,9 @@ def par_warm_child(preset: str, threads: int) -> dict:
     import torch
     th.join()
     torch.cuda.set_device(0)
-    from restartkit.reference.checkpoint import PRESETS
-    from restartkit.reference.model import SINGLE
-    from restartkit.reference.weights import build_model
+    from restartkit.reference.model.checkpoint import PRESETS
+    from restartkit.reference.model.llama import SINGLE
+    from restartkit.reference.model.weights import build_model
     cfg = PRESETS[preset].config
     dev = torch.device("cuda", 0)
     out = {}
@@ -185,7 +185,7 @@ def par_warm_child(preset: str, threads: int) -> dict:
     model.allocate_kv_cache(1024)
     torch.cuda.synchronize()
     out["kv_cache_alloc"] = round(time.perf_counter() - s, 4)
-    from restartkit.reference.engine import capture_decode
+    from restartkit.reference.runtime.engine import capture_decode
     with torch.inference_mode():
         prompt = torch.tensor([1, 2, 3, 4], device=dev)
         for k in ("first_prefill", "second_prefill"):
@@ -218,10 +218,10 @@ def child(preset: str, mode: str = "") -> dict:
         return out
 
     timed("cuda_init", lambda: torch.cuda.set_device(0))
-    from restartkit.reference.checkpoint import PRESETS
-    from restartkit.reference.engine import capture_decode
-    from restartkit.reference.model import SINGLE
-    from restartkit.reference.weights import build_model
+    from restartkit.reference.model.checkpoint import PRESETS
+    from restartkit.reference.runtime.engine import capture_decode
+    from restartkit.reference.model.llama import SINGLE
+    from restartkit.reference.model.weights import build_model
     cfg = PRESETS[preset].config
     model = build_model(cfg, SINGLE, torch.bfloat16, "none").to_empty(device="cuda")
     with torch.no_grad():
@@ -256,7 +256,7 @@ def patch_model(cands: set) -> None:
     """Put back the parts of the reference model that the shipped ones replaced (the probe's copies)."""
     import torch
     import torch.nn.functional as F
-    from restartkit.reference import model as M
+    from restartkit.reference.model import llama as M
     if "old_rope" in cands:
         def rope_tables(head_dim, max_len, theta, dtype, device):
             inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
@@ -312,10 +312,10 @@ def candidate_child(preset: str, spec: str, with_ops: bool) -> dict:
     if cuda:
         torch.cuda.set_device(0)
     patch_model(cands)
-    from restartkit.reference.checkpoint import PRESETS
-    from restartkit.reference.engine import capture_decode
-    from restartkit.reference.model import SINGLE
-    from restartkit.reference.weights import build_model
+    from restartkit.reference.model.checkpoint import PRESETS
+    from restartkit.reference.runtime.engine import capture_decode
+    from restartkit.reference.model.llama import SINGLE
+    from restartkit.reference.model.weights import build_model
     cfg = PRESETS[preset].config
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
     model = build_model(cfg, SINGLE, torch.bfloat16, "none")

@@ -92,7 +92,7 @@ def engines_on(port: int) -> list[int]:
             cmd = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
         except (OSError, ValueError):
             continue
-        if b"restartkit.reference.server" in cmd and str(port).encode() in cmd:
+        if b"restartkit.reference.serving.server" in cmd and str(port).encode() in cmd:
             out.append(int(d))
     return out
 

@@ -166,7 +166,7 @@ def revision_pinned(facts: Facts, policy) -> str | None:
 
 def socket_fits_snapshot(facts: Facts, policy) -> str | None:
     """A snapshot of an engine that served on the held socket gave it up before its dump and takes it back
-    from supervise after the restore (restartkit.reference.detach); one of an engine with its own socket
+    from supervise after the restore (restartkit.reference.serving.detach); one of an engine with its own socket
     would be re-bound by CRIU on the port supervise holds."""
     held, c = facts.service.held_socket, facts.of("criu")
     if "current" not in c:

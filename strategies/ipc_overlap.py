@@ -6,7 +6,7 @@ loopback port.  Then it is activated (KV cache, warm-up, graph capture) and
 checked alone on its private port (a real completion and the canary); then it
 takes the public port beside the old engine (SO_REUSEPORT, the port never
 closed; from then on the kernel hands every new connection to the new engine:
-restartkit.reference.reuseport), and the old engine is drained and stopped
+restartkit.reference.serving.reuseport), and the old engine is drained and stopped
 (it answers what it accepted, and what was still queued on its listener).
 Any failure before that leaves the old engine serving and says why.
 

@@ -19,7 +19,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from restartkit.reference.checkpoint import write_checkpoint
+    from restartkit.reference.model.checkpoint import write_checkpoint
     return write_checkpoint(tmp_path_factory.mktemp("models") / "tiny", "tiny")
 
 
@@ -111,7 +111,7 @@ def served(make_policy, service_cleanup):
 @pytest.fixture(scope="module")
 def vllm_model(tmp_path_factory):
     """vLLM's CPU attention needs head_dim >= 32: the `small` preset (head_dim 64)."""
-    from restartkit.reference.checkpoint import write_checkpoint
+    from restartkit.reference.model.checkpoint import write_checkpoint
     return write_checkpoint(tmp_path_factory.mktemp("models") / "small", "small")
 
 

@@ -96,7 +96,7 @@ def engines_on(policy) -> list[int]:
             cmd = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
         except (OSError, ValueError):
             continue
-        if b"restartkit.reference.server" in cmd and port.encode() in cmd:
+        if b"restartkit.reference.serving.server" in cmd and port.encode() in cmd:
             out.append(int(d))
     return out
 

@@ -17,7 +17,7 @@ def tokenizer(out, bos: bool, chat_template: str | None = None) -> None:
     """A byte-level tokenizer saved beside the checkpoint (byte b is token b, then BOS and EOS); `bos`:
     its post-processor puts BOS first, as Llama 3's does; without, nothing is added."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    from restartkit.reference.checkpoint import bytes_to_unicode
+    from restartkit.reference.model.checkpoint import bytes_to_unicode
     alphabet = bytes_to_unicode()
     tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

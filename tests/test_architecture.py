@@ -136,7 +136,7 @@ def test_no_state_through_the_environment():
 
 def test_the_cli_offers_every_model_preset():
     from restartkit.cli import MODEL_PRESETS
-    from restartkit.reference.checkpoint import PRESETS
+    from restartkit.reference.model.checkpoint import PRESETS
     assert MODEL_PRESETS == list(PRESETS)
 
 

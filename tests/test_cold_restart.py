@@ -169,7 +169,7 @@ def test_a_new_engine_waits_for_the_one_it_replaces(monkeypatch):
 
     import psutil
 
-    from restartkit.reference.handover import wait_for_previous_engine
+    from restartkit.reference.serving.handover import wait_for_previous_engine
     old = subprocess.Popen(["sleep", "0.6"])
     ctime = psutil.Process(old.pid).create_time()
     monkeypatch.setenv("RESTARTKIT_AFTER_PID", f"{old.pid}:{ctime}")
@@ -239,7 +239,7 @@ def test_a_restart_after_the_weights_changed_on_disk_serves_them_and_says_so(mak
     """The weights were replaced on disk while the engine served the old ones: a plain restart serves
     the new ones, and that is no failure (it said "not serving", exit 1, while serving the new weights)."""
     import shutil
-    from restartkit.reference.checkpoint import write_checkpoint
+    from restartkit.reference.model.checkpoint import write_checkpoint
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
     policy = make_policy(model=str(model))

@@ -18,7 +18,7 @@ def command_policy(make_policy, tiny_model, argv):
     return policy
 
 
-SERVER = [sys.executable, "-m", "restartkit.reference.server", "--model", "{model}", "--host", "{host}",
+SERVER = [sys.executable, "-m", "restartkit.reference.serving.server", "--model", "{model}", "--host", "{host}",
           "--port", "{port}", "--max-model-len", "{max_model_len}", "--served-model-name", "{served_model_name}"]
 
 

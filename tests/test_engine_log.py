@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 def test_a_client_that_closes_early_is_one_log_line(tiny_model, tmp_path):
     port, log = free_port(), tmp_path / "engine.log"
     with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "restartkit.reference.server", "--model", str(tiny_model),
+        proc = subprocess.Popen([sys.executable, "-m", "restartkit.reference.serving.server", "--model", str(tiny_model),
                                  "--port", str(port), "--max-model-len", "256", "--threads", "1"], cwd=ROOT,
                                 stdout=subprocess.DEVNULL, stderr=err)
     try:

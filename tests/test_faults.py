@@ -405,7 +405,7 @@ def test_a_clock_step_does_not_lose_the_engine(served, tmp_path):
 # ---- weights changed under the service -------------------------------------------------------------
 
 def test_a_shard_rewritten_in_place_with_its_mtime_kept_changes_the_digest(tmp_path):
-    from restartkit.reference.checkpoint import write_checkpoint
+    from restartkit.reference.model.checkpoint import write_checkpoint
     from restartkit.weightcache.fingerprint import checkpoint_digest
     a = write_checkpoint(tmp_path / "a", "tiny", seed=0)
     b = write_checkpoint(tmp_path / "b", "tiny", seed=1)
@@ -422,7 +422,7 @@ def test_a_shard_rewritten_in_place_with_its_mtime_kept_changes_the_digest(tmp_p
 
 
 def test_a_running_engine_keeps_its_weights_when_the_file_changes_under_it(make_policy, service_cleanup, tmp_path):
-    from restartkit.reference.checkpoint import write_checkpoint
+    from restartkit.reference.model.checkpoint import write_checkpoint
     model = write_checkpoint(tmp_path / "m", "tiny", seed=0)
     other = write_checkpoint(tmp_path / "o", "tiny", seed=1)
     policy = make_policy(model=str(model))

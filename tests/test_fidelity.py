@@ -9,8 +9,8 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from restartkit.reference.engine import Engine, EngineOptions  # noqa: E402
-from restartkit.reference.model import ModelConfig, UnsupportedConfig  # noqa: E402
+from restartkit.reference.runtime.engine import Engine, EngineOptions  # noqa: E402
+from restartkit.reference.model.llama import ModelConfig, UnsupportedConfig  # noqa: E402
 from tests.hf import checkpoint  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "Restarting an inference server", "a"]
@@ -28,7 +28,7 @@ def reference_ids(model, path) -> list[list[int]]:
 
 def engine_ids(path) -> list[list[int]]:
     from tokenizers import Tokenizer
-    from restartkit.reference.api import encode_prompt
+    from restartkit.reference.serving.api import encode_prompt
     eng = Engine(EngineOptions(model=str(path), max_model_len=128, dtype="float32"))
     eng.start()
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -84,7 +84,7 @@ def test_a_config_whose_math_is_not_implemented_is_refused_naming_the_key(tmp_pa
     checkpoint(path, **cfg)
     with pytest.raises(UnsupportedConfig, match=words.replace("(", r"\(")):
         Engine(EngineOptions(model=str(path), max_model_len=64, dtype="float32")).start()
-    from restartkit.reference.layout import model_dir_ok
+    from restartkit.reference.model.layout import model_dir_ok
     assert words in model_dir_ok(str(path))  # said before anything starts (plan, policy check, start)
 
 

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 from pathlib import Path
 
-from restartkit.reference.checkpoint import write_checkpoint
+from restartkit.reference.model.checkpoint import write_checkpoint
 from tests.conftest import ROOT, prom_sample, run_cli
 from tests.helpers import ipc_policy, start_preload
 
@@ -212,7 +212,7 @@ def test_health_reports_ready_then_degraded(make_policy, sockdir, preloads, tmp_
 
 def test_a_draft_model_restarts_through_its_own_group(make_policy, sockdir, preloads, service_cleanup, tmp_path):
     from restartkit.policy import load_policy
-    from restartkit.reference.checkpoint import write_checkpoint
+    from restartkit.reference.model.checkpoint import write_checkpoint
     draft = write_checkpoint(tmp_path / "draft", "tiny", seed=7)  # other weights, same tokenizer
     policy = ipc_policy(make_policy, sockdir, service_extra=f'draft_model = "{draft}"\nnum_speculative_tokens = 2\n')
     policy.write_text(policy.read_text().replace("[restart]\n", '[restart]\noverlap = true\noverlap_mode = "prestart"\n'))

@@ -24,7 +24,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 def serve(model, *extra) -> tuple[subprocess.Popen, int]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "restartkit.reference.server", "--model", str(model), "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "restartkit.reference.serving.server", "--model", str(model), "--port",
                              str(port), "--max-model-len", "256", *extra], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     end = time.monotonic() + 120

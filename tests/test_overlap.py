@@ -145,7 +145,7 @@ def test_prestarted_restart_activates_after_the_old_engine_stopped(overlap_servi
 
 
 def engine_on(port, model, *extra) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "restartkit.reference.server", "--model", str(model), "--port",
+    return subprocess.Popen([sys.executable, "-m", "restartkit.reference.serving.server", "--model", str(model), "--port",
                              str(port), "--max-model-len", "256", "--threads", "1", "--reuse-port", *extra],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -200,7 +200,7 @@ def test_a_stopping_engine_answers_the_connections_queued_on_its_listener(tiny_m
     is stopped (SIGSTOP) while 20 clients connect and send a completion, then asked to stop: every one
     is answered (all 20 were reset before; past the 6th they were not even accepted into the queue)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "restartkit.reference.server", "--model", str(tiny_model),
+    proc = subprocess.Popen([sys.executable, "-m", "restartkit.reference.serving.server", "--model", str(tiny_model),
                              "--port", str(port), "--max-model-len", "256", "--threads", "1", "--reuse-port"],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -246,7 +246,7 @@ def test_a_stopping_engine_says_so_and_sends_keep_alive_clients_to_a_new_connect
     next request opens a new connection, which reaches the engine after this one."""
     import http.client
 
-    from restartkit.reference.api import EngineServer, State
+    from restartkit.reference.serving.api import EngineServer, State
     state = State("m")
     server = EngineServer(("127.0.0.1", 0), state)
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()

@@ -4,9 +4,9 @@ import json
 
 import torch
 
-from restartkit.reference.checkpoint import shard_files, tensor_shapes, write_checkpoint
-from restartkit.reference.engine import Engine, EngineOptions
-from restartkit.reference.model import ModelConfig
+from restartkit.reference.model.checkpoint import shard_files, tensor_shapes, write_checkpoint
+from restartkit.reference.runtime.engine import Engine, EngineOptions
+from restartkit.reference.model.llama import ModelConfig
 
 
 def test_checkpoint_is_deterministic_and_sharded(tmp_path, tiny_model):

@@ -53,7 +53,7 @@ def test_admin_endpoints_answer_this_host_only(two_hosts, tiny_model, tmp_path):
     srv, cli, addr = two_hosts
     port = free_port()
     log = open(tmp_path / "engine.log", "wb")
-    engine = subprocess.Popen(["ip", "netns", "exec", srv, sys.executable, "-m", "restartkit.reference.server",
+    engine = subprocess.Popen(["ip", "netns", "exec", srv, sys.executable, "-m", "restartkit.reference.serving.server",
                                "--model", str(tiny_model), "--host", "0.0.0.0", "--port", str(port), "--threads", "1",
                                "--max-model-len", "256"], stdout=log, stderr=log, cwd=ROOT)
     try:

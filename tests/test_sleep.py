@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from restartkit.reference.checkpoint import write_checkpoint
+from restartkit.reference.model.checkpoint import write_checkpoint
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow

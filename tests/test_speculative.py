@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from restartkit.reference.checkpoint import write_checkpoint
-from restartkit.reference.engine import Engine, EngineOptions
+from restartkit.reference.model.checkpoint import write_checkpoint
+from restartkit.reference.runtime.engine import Engine, EngineOptions
 from tests.conftest import run_cli
 
 PROMPTS = [[256, 10, 20, 30, 40], [256, 1], [256, 99, 98, 97, 96, 95, 94, 93, 92]]

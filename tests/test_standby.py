@@ -212,7 +212,7 @@ def test_a_standby_armed_before_a_weights_change_is_never_promoted(make_policy, 
     """New weights on disk: the standby holds the old ones.  plan refuses it for the reason and for itself, and
     supervise would replace it (stale)."""
     import shutil
-    from restartkit.reference.checkpoint import write_checkpoint
+    from restartkit.reference.model.checkpoint import write_checkpoint
     model = tmp_path / "own-model"
     write_checkpoint(model, "tiny", seed=1)
     import functools

@@ -24,7 +24,7 @@ def slow_policy(make_policy, tmp_path):
     """engine = "command": the reference server behind a shell that sleeps 20 s first while the
     file `slow` exists (a start as long as a big model's, when the test wants one)."""
     flag = tmp_path / "slow"
-    server = [sys.executable, "-m", "restartkit.reference.server", "--model", "{model}", "--host", "{host}",
+    server = [sys.executable, "-m", "restartkit.reference.serving.server", "--model", "{model}", "--host", "{host}",
               "--port", "{port}", "--max-model-len", "{max_model_len}", "--served-model-name", "{served_model_name}",
               "--threads", "1"]
     argv = ["sh", "-c", f'if [ -e "{flag}" ]; then sleep 20; fi; exec "$@"', "slow-start", *server]

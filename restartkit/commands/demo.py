@@ -104,7 +104,7 @@ def run_demo(workdir: str = DEFAULT_WORKDIR, repeat: int = 2, say: Callable[[str
     root.mkdir(parents=True, exist_ok=True)
     model_dir = root / "models" / "small"
     if not (model_dir / "config.json").exists():
-        from restartkit.reference.checkpoint import write_checkpoint
+        from restartkit.reference.model.checkpoint import write_checkpoint
         say(f"== creating the small reference checkpoint in {model_dir}")
         write_checkpoint(model_dir, "small")
     policy_path = root / "demo.toml"

@@ -119,7 +119,7 @@ class EngineAdapter:
     weightless_snapshots = False
 
     # can the engine give up the service's held socket before a dump and take it back after, serving
-    # restartkit's admin calls on a private port meanwhile (restartkit.reference.detach)?
+    # restartkit's admin calls on a private port meanwhile (restartkit.reference.serving.detach)?
     detaches_listener = False
 
     def detach_listener(self, policy, broker: str) -> str:

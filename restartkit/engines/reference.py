@@ -6,7 +6,7 @@ import signal
 
 from restartkit import __version__, http
 from restartkit.engines.base import EngineAdapter, LaunchSpec, python
-from restartkit.reference.layout import draft_problem, model_dir_ok
+from restartkit.reference.model.layout import draft_problem, model_dir_ok
 
 
 class ReferenceAdapter(EngineAdapter):
@@ -30,7 +30,7 @@ class ReferenceAdapter(EngineAdapter):
 
     def launch(self, policy, extra_args=()) -> LaunchSpec:
         s = policy.service
-        argv = [python(), "-m", "restartkit.reference.server", "--model", s["model"],
+        argv = [python(), "-m", "restartkit.reference.serving.server", "--model", s["model"],
                 "--host", s["host"], "--port", str(s["port"]), "--device", s["device"],
                 "--max-model-len", str(s["max_model_len"]), "--served-model-name", self.served_name(policy)]
         if s["dtype"] != "auto":

@@ -231,7 +231,7 @@ def gpu_sleep_problem(policy) -> str | None:
 
 def checkpoint_bytes(model: str) -> int | None:
     """Bytes of the safetensors of a local checkpoint directory (None for a hub id)."""
-    from restartkit.reference.layout import shard_files
+    from restartkit.reference.model.layout import shard_files
     return sum(f.stat().st_size for f in shard_files(model) if f.exists()) or None
 
 

@@ -24,7 +24,7 @@ from restartkit.process.procfs import (ancestors, argv, comm, create_time, kill_
                                        port_has_listener, proc_start_ticks, tree_pids)
 from restartkit.process.seam import Seam
 from restartkit.process.states import ProcState
-from restartkit.reference.ready import READY_FD_ENV
+from restartkit.reference.serving.ready import READY_FD_ENV
 
 
 @dataclass

@@ -127,7 +127,7 @@ def matches(held: Held, host: str, port: int) -> str | None:
 
 def engine_broker(state_dir: Path) -> str:
     """The abstract Unix address (per network namespace, no file) where an engine that gave up the held
-    socket for a CRIU dump takes it back (restartkit.reference.detach): a copy restored in a network
+    socket for a CRIU dump takes it back (restartkit.reference.serving.detach): a copy restored in a network
     namespace of its own for a test restore can never reach it."""
     import hashlib
     digest = hashlib.sha256(str(Path(state_dir).resolve()).encode()).hexdigest()[:20]

@@ -349,7 +349,7 @@ def _put_back(service, pids: list[int], cuda: CudaCheckpoint | None, kv_dropped:
 
 
 def take_back_listener(service, pid: int, timeout_s: float = 10.0) -> float:
-    """SIGUSR2: the engine takes the held socket back from supervise's broker (restartkit.reference.detach);
+    """SIGUSR2: the engine takes the held socket back from supervise's broker (restartkit.reference.serving.detach);
     returns once it serves on it again, with the seconds that took."""
     t = time.monotonic()
     os.kill(pid, signal.SIGUSR2)

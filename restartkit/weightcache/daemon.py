@@ -128,9 +128,9 @@ class Daemon:
     def load(self) -> None:
         import torch
 
-        from restartkit.reference.checkpoint import DTYPES
-        from restartkit.reference.model import ModelConfig, Parallel, check_parallel
-        from restartkit.reference.weights import processed_weights
+        from restartkit.reference.model.checkpoint import DTYPES
+        from restartkit.reference.model.llama import ModelConfig, Parallel, check_parallel
+        from restartkit.reference.model.weights import processed_weights
         from restartkit.weightcache.arena import pack, to_wire
         from restartkit.weightcache.fingerprint import fingerprint
 
@@ -166,7 +166,7 @@ def checkpoint_tensors(model: str, device: str):
     layout of an engine that loads the checkpoint itself (vLLM through restartkit's load format)."""
     from safetensors import safe_open
 
-    from restartkit.reference.layout import shard_files
+    from restartkit.reference.model.layout import shard_files
     for path in shard_files(model):
         with safe_open(str(path), framework="pt", device=device) as f:
             for name in f.keys():

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from restartkit import __version__
-from restartkit.reference.layout import shard_files
+from restartkit.reference.model.layout import shard_files
 
 FIELDS = ("checkpoint", "architecture", "tp_size", "tp_rank", "dp_size", "dp_rank", "expert_parallel",
           "dtype", "quantization", "revision", "engine", "engine_version", "draft")

@@ -54,7 +54,7 @@ def build(policy_path: str | None, flags: dict, state_root: str = ""):
     timeout = flags["startup_timeout"] or timeout
     host = flags["health_host"] or host
     port = flags["health_port"] if flags["health_port"] is not None else port
-    from restartkit.reference.layout import model_dir_ok
+    from restartkit.reference.model.layout import model_dir_ok
     if problem := model_dir_ok(layout.model):
         raise UsageError(problem)
     layout.check()

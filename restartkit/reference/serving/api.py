@@ -6,7 +6,7 @@
                           n, stop, logprobs (0..5), echo, stream; each choice also carries token_ids
   POST /v1/chat/completions   messages through the tokenizer's chat template; logprobs, top_logprobs,
                           max_completion_tokens, n, stop, stream.  Any other field is a 400 naming it
-                          (restartkit.reference.completions); a 503 says Retry-After
+                          (restartkit.reference.serving.completions); a 503 says Retry-After
   GET  /admin/stats       init phases and their times, load source, memory
   POST /admin/drop_kv_cache   free the KV cache (before a snapshot)
   POST /admin/restore_kv_cache
@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 from restartkit.reference.log import log
-from restartkit.reference import reuseport
+from restartkit.reference.serving import reuseport
 
 MAX_BODY = 1 << 20
 
@@ -85,7 +85,7 @@ class EngineServer(ThreadingHTTPServer):
 
     def take_new_connections(self) -> bool:
         """Once ready, beside the engine before on the port: every new connection comes here
-        (restartkit.reference.reuseport); the one before finishes what it has."""
+        (restartkit.reference.serving.reuseport); the one before finishes what it has."""
         return self.reuse_port and reuseport.take_new_connections(self.socket)
 
     def stop_listening(self) -> list[threading.Thread]:
@@ -138,7 +138,7 @@ class State:
         self.prepared_mode = False
         self.sleep_public = False
         self.on_ready = None  # called once, when it became ready (start accepting on a given socket)
-        self.listeners = None  # restartkit.reference.detach.Listeners, where the engine serves on a held socket
+        self.listeners = None  # restartkit.reference.serving.detach.Listeners, where the engine serves on a held socket
 
     def drain(self, deadline_s: float = 30.0, queued: Iterable[threading.Thread] = ()) -> int:
         """Wait until every request in flight has its answer written, and the connections found queued at
@@ -319,7 +319,7 @@ class Handler(BaseHTTPRequestHandler):
         if not st.sleep_public and not self._from_this_host():
             self._error(403, "sleep endpoints answer on loopback only (--sleep-endpoints-public to change that)")
             return
-        from restartkit.reference.sleep import SleepError
+        from restartkit.reference.runtime.sleep import SleepError
         eng = st.engine
         try:
             with eng.lock:
@@ -407,9 +407,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def _complete(self, body: dict, chat: bool) -> None:
         """/v1/completions and /v1/chat/completions, streamed (server-sent events ending in [DONE]) or not;
-        n choices per prompt, stop strings, logprobs, echo (restartkit.reference.completions)."""
-        from restartkit.reference.completions import BadRequest, read_chat, read_completion
-        from restartkit.reference.engine import EngineNotReady
+        n choices per prompt, stop strings, logprobs, echo (restartkit.reference.serving.completions)."""
+        from restartkit.reference.serving.completions import BadRequest, read_chat, read_completion
+        from restartkit.reference.runtime.engine import EngineNotReady
         st = self.server.state
         if not self._serving():
             return
@@ -455,7 +455,7 @@ class Handler(BaseHTTPRequestHandler):
     def _choices(self, ask, usage: dict) -> list[dict]:
         """n choices for each prompt, each streamed as its tokens come when asked (each chunk with the logprobs
         of the tokens its text completes); the choices (not streamed)."""
-        from restartkit.reference.completions import TextSoFar
+        from restartkit.reference.serving.completions import TextSoFar
         st, chat, choices = self.server.state, ask.chat, []
         for pi, ids in enumerate(ask.prompts):
             usage["prompt_tokens"] += len(ids)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from restartkit.reference.hfconfig import ModelConfig, UnsupportedConfig  # noqa: F401 (the model's config)
+from restartkit.reference.model.config import ModelConfig, UnsupportedConfig  # noqa: F401 (the model's config)
 
 
 @dataclass(frozen=True)

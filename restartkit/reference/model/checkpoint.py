@@ -19,8 +19,8 @@ from typing import Callable, Iterator
 import torch
 
 from restartkit.errors import UsageError
-from restartkit.reference.layout import INDEX, shard_files  # noqa: F401  (torch-free, re-exported)
-from restartkit.reference.model import ModelConfig, init_std
+from restartkit.reference.model.layout import INDEX, shard_files  # noqa: F401  (torch-free, re-exported)
+from restartkit.reference.model.llama import ModelConfig, init_std
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from restartkit.reference.checkpoint import iter_checkpoint
-from restartkit.reference.model import LlamaForCausalLM, ModelConfig, Parallel, shard_tensor
+from restartkit.reference.model.checkpoint import iter_checkpoint
+from restartkit.reference.model.llama import LlamaForCausalLM, ModelConfig, Parallel, shard_tensor
 
 QUANTIZATIONS = ("none", "int8")
 SCALE_SUFFIX = "_scale"

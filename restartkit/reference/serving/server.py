@@ -2,7 +2,7 @@
 restart's prepared engine.  HTTP lives in api.py, the command line in args.py, engine
 assembly in assemble.py, tensor-parallel workers in workers.py.
 
-Run: python -m restartkit.reference.server --model DIR [--port N] ...
+Run: python -m restartkit.reference.serving.server --model DIR [--port N] ...
 SIGTERM/SIGINT: stop accepting, finish the request in flight, exit 0.
 """
 from __future__ import annotations
@@ -16,13 +16,13 @@ import sys
 import threading
 import time
 
-from restartkit.reference.api import EngineServer, State
-from restartkit.reference.args import parse_args
-from restartkit.reference.assemble import _load
-from restartkit.reference.detach import Listeners
+from restartkit.reference.serving.api import EngineServer, State
+from restartkit.reference.serving.args import parse_args
+from restartkit.reference.serving.assemble import _load
+from restartkit.reference.serving.detach import Listeners
 from restartkit.reference.log import log
-from restartkit.reference.ready import take_ready_fd
-from restartkit.reference.workers import _stop_workers, serve_worker, spawn_workers
+from restartkit.reference.serving.ready import take_ready_fd
+from restartkit.reference.runtime.workers import _stop_workers, serve_worker, spawn_workers
 from restartkit.process.signals import block_stop_signals, next_stop_signal
 
 

@@ -12,9 +12,9 @@ from typing import Callable
 
 import torch
 
-from restartkit.reference.checkpoint import DTYPES
-from restartkit.reference.model import LlamaForCausalLM, ModelConfig, Parallel, UnsupportedConfig, check_parallel
-from restartkit.reference.weights import build_model, processed_weights
+from restartkit.reference.model.checkpoint import DTYPES
+from restartkit.reference.model.llama import LlamaForCausalLM, ModelConfig, Parallel, UnsupportedConfig, check_parallel
+from restartkit.reference.model.weights import build_model, processed_weights
 
 
 @dataclass

@@ -5,9 +5,9 @@ import os
 import signal
 import sys
 
-from restartkit.reference.args import _rebuild_argv
-from restartkit.reference.assemble import _early_cuda_context, _make_engine, _start_engine
-from restartkit.reference.ready import READY_FD_ENV
+from restartkit.reference.serving.args import _rebuild_argv
+from restartkit.reference.serving.assemble import _early_cuda_context, _make_engine, _start_engine
+from restartkit.reference.serving.ready import READY_FD_ENV
 
 
 def spawn_workers(args, gate: tuple[int, int] | None = None) -> list:
@@ -21,7 +21,7 @@ def spawn_workers(args, gate: tuple[int, int] | None = None) -> list:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             args.dist_port = s.getsockname()[1]
-    base = [sys.executable, "-m", "restartkit.reference.server"] + _rebuild_argv(args)
+    base = [sys.executable, "-m", "restartkit.reference.serving.server"] + _rebuild_argv(args)
     if gate is not None:
         base += ["--gate-fds", f"{gate[0]},{gate[1]}"]
     procs = []

@@ -32,7 +32,7 @@ def model_dir_ok(path: str) -> str | None:
     if not (p / "tokenizer.json").exists():
         return f"{path} has no tokenizer.json (the reference engine reads a tokenizers-format tokenizer)"
     import json
-    from restartkit.reference.hfconfig import ModelConfig
+    from restartkit.reference.model.config import ModelConfig
     try:
         ModelConfig.from_hf(json.loads((p / "config.json").read_text()))
     except ValueError as e:  # UnsupportedConfig names the key; a broken JSON file says where

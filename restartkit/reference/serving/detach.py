@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 
-from restartkit.reference.api import EngineServer
+from restartkit.reference.serving.api import EngineServer
 from restartkit.reference.log import log
 
 

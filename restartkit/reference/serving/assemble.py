@@ -9,19 +9,19 @@ import time
 from typing import TYPE_CHECKING
 
 from restartkit.reference.log import log
-from restartkit.reference.ready import signal_ready
+from restartkit.reference.serving.ready import signal_ready
 
 # A re-attach after a restore waits this long for a weight cache that is not there at all (no socket,
 # nobody listening): the cache served when the snapshot was taken, so one that is gone is not coming.
 REATTACH_ABSENT_S = 3.0
 
 if TYPE_CHECKING:
-    from restartkit.reference.api import State
+    from restartkit.reference.serving.api import State
 
 
 def _make_engine(args, draft: bool = False):
     """This rank's engine for the model, or for the draft model (no CUDA graph: speculative decoding runs it)."""
-    from restartkit.reference.engine import Engine, EngineOptions
+    from restartkit.reference.runtime.engine import Engine, EngineOptions
 
     rank = args.worker_rank
     opts = EngineOptions(model=args.draft_model if draft else args.model, device=args.device, dtype=args.dtype,
@@ -38,7 +38,7 @@ def _start_engine(engine, args, gate=None) -> None:
     The engine this one replaces may still be tearing down: device memory is
     allocated only after it has exited (weights mapped zero_copy from the
     weight cache take none, so they attach before that wait)."""
-    from restartkit.reference.handover import wait_for_previous_engine
+    from restartkit.reference.serving.handover import wait_for_previous_engine
 
     def previous():
         waited = wait_for_previous_engine()
@@ -90,7 +90,7 @@ def _ipc_weights(engine, args, is_draft: bool = False):
 
 
 def _prepare_draft(engine, draft, weights=None) -> None:
-    from restartkit.reference.layout import draft_problem
+    from restartkit.reference.model.layout import draft_problem
     t0 = time.perf_counter()
     if problem := draft_problem(engine.options.model, draft.options.model):
         raise ValueError(problem)
@@ -127,7 +127,7 @@ def _load(args, state: State, outcome: dict, gate=None) -> None:
         engine = _make_engine(args)
         t0 = time.perf_counter()
         state.tokenizer = Tokenizer.from_file(os.path.join(args.model, "tokenizer.json"))
-        from restartkit.reference.completions import chat_template
+        from restartkit.reference.serving.completions import chat_template
         state.chat_template, state.special_tokens = chat_template(args.model)
         state.phases["tokenizer"] = round(time.perf_counter() - t0, 4)
         _start_engine(engine, args, gate)
@@ -139,7 +139,7 @@ def _load(args, state: State, outcome: dict, gate=None) -> None:
         if args.tensor_parallel_size > 1:
             outcome["error"] = "sleep mode is supported at tensor_parallel_size 1 only"
             return
-        from restartkit.reference.sleep import Sleeper
+        from restartkit.reference.runtime.sleep import Sleeper
         state.sleeper = Sleeper(engine)
         state.sleep_public = args.sleep_endpoints_public
     state.phases.update(engine.phases)
