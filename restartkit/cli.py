@@ -842,11 +842,13 @@ def audit(path, engine, since, until, as_json):
 @click.option("--strategies", default="cold", show_default=True, help="Comma-separated strategies to compare.")
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Write bench.json (and bench.png with matplotlib) here.")
+@click.option("--clients", type=click.IntRange(min=0, max=256), default=0, show_default=True,
+              help="Clients sending greedy completions throughout (no retries): what each strategy costs them.")
 @wait_option
 @json_option
 @state_dir_option
 @friendly
-def bench(policy_path, strategies, repeat, out, wait_s, as_json):
+def bench(policy_path, strategies, repeat, out, clients, wait_s, as_json):
     """Restart the same service with each strategy N times; compare time to ready."""
     from restartkit.commands.bench import render_bench, run_bench
     from restartkit.errors import UsageError
@@ -857,7 +859,7 @@ def bench(policy_path, strategies, repeat, out, wait_s, as_json):
                          hint=f"choose from: {', '.join(STRATEGIES)} (comma-separated)")
     svc = load(policy_path)
     with guarded(svc, "bench", wait_s, defer_signals=False):
-        result = run_bench(svc, names, repeat, out, say=say)
+        result = run_bench(svc, names, repeat, out, say=say, clients=clients)
     emit(result, as_json, render_bench(result))
 
 

@@ -31,11 +31,12 @@ class Request:
 class ClientLoad:
     """`clients` threads, each sending one completion at a time on a new connection, until stopped."""
 
-    def __init__(self, host: str, port: int, model: str, clients: int = 4, max_tokens: int = 4,
-                 timeout_s: float = 30.0, prompt: str = "hello"):
-        self.host, self.port, self.timeout_s = host, port, timeout_s
-        self.body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                                "temperature": 0.0, "return_token_ids": True}).encode()  # vLLM's name for them
+    def __init__(self, host: str, port: int, model: str | None, clients: int = 4, max_tokens: int = 4,
+                 timeout_s: float = 30.0, prompt: str = "hello", headers: dict | None = None):
+        self.host, self.port, self.timeout_s, self.headers = host, port, timeout_s, headers or {}
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "return_token_ids": True}  # vLLM's name for them
+        self.body = json.dumps({"model": model, **body} if model else body).encode()  # None: the served one
         self.requests: list[Request] = []
         self.answers: list[list[int]] = []  # the token ids of every answer (all the same, greedy)
         self._lock = threading.Lock()
@@ -70,7 +71,7 @@ class ClientLoad:
             conn.connect()
             connected = time.monotonic()
             conn.request("POST", "/v1/completions", body=self.body,
-                         headers={"Content-Type": "application/json", "Connection": "close"})
+                         headers={"Content-Type": "application/json", "Connection": "close", **self.headers})
             resp = conn.getresponse()
             data = resp.read()
             if resp.status >= 500:

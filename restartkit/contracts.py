@@ -15,6 +15,9 @@ from typing import Any, Callable, Protocol
 STRATEGY_NAMES = ("sleep", "standby", "criu+ipc", "ipc", "criu", "cold")
 RECOVERY = "cold"  # always available: the recovery path of every other strategy
 REASONS = ("restart", "crash", "config", "code", "weights")  # why restart
+# On restartkit's canary requests: an engine that batches runs them in a batch of their own, so that a greedy
+# token never depends on what else the engine was computing (the canary compares tokens across restarts).
+CANARY_HEADER = "X-Restartkit-Canary"
 FACT_TIMEOUT_S = 3.0  # per question asked of a running engine while facts are gathered: a hung one costs seconds
 
 

@@ -12,9 +12,11 @@ class HTTPFailure(Exception):
         self.url, self.status, self.message = url, status, message
 
 
-def request(method: str, url: str, body: dict | None = None, timeout: float = 10.0) -> dict:
+def request(method: str, url: str, body: dict | None = None, timeout: float = 10.0,
+            headers: dict | None = None) -> dict:
     data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             raw = resp.read()
@@ -39,5 +41,5 @@ def get(url: str, timeout: float = 10.0) -> dict:
     return request("GET", url, timeout=timeout)
 
 
-def post(url: str, body: dict | None = None, timeout: float = 60.0) -> dict:
-    return request("POST", url, body, timeout=timeout)
+def post(url: str, body: dict | None = None, timeout: float = 60.0, headers: dict | None = None) -> dict:
+    return request("POST", url, body, timeout=timeout, headers=headers)

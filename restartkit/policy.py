@@ -163,6 +163,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "num_speculative_tokens": Key(int, 3, check=_positive, doc="draft tokens proposed per round"),
         "engine_args": Key(list, [], doc="extra command-line arguments for the engine", check=_argv),
         "env": Key(dict, {}, doc="extra environment for the engine (string values)", check=_env),
+        "api_key_file": Key(str, "", check=_path,
+                            doc="a file holding the API key clients must send (Authorization: Bearer): given to the "
+                                "engine in its environment, sent by restartkit's probes and canary, never written to "
+                                "a record or a log"),
         "command": Key(list, [], doc="argv of the engine (engine = 'command' only)", check=_argv),
         "state_dir": Key(str, "", doc="default: --state-dir ($RESTARTKIT_STATE_DIR) or ~/.local/state/restartkit", check=_path),
     },

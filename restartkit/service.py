@@ -73,7 +73,7 @@ class Service:
         sf = ServiceFacts(engine=s["engine"], adapter_problem=self.adapter_problem)
         if self.adapter is None:
             return sf
-        sf.model_problem = self.adapter.model_problem(self.policy)
+        sf.model_problem = self.adapter.model_problem(self.policy) or self.adapter.key_problem(self.policy)
         sf.engine_version = self.adapter.version()
         sf.overlap_problem = self.adapter.overlap_problem(self.policy)
         sf.engine_notes = self.adapter.plan_notes(self.policy)

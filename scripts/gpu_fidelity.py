@@ -27,7 +27,7 @@ def compare(path: Path, model, device: str, dtype: str, margin: float) -> tuple[
     from tokenizers import Tokenizer
     import transformers
 
-    from restartkit.reference.serving.api import encode_prompt
+    from restartkit.reference.serving.completions import encode_prompt
     from restartkit.reference.runtime.engine import Engine, EngineOptions
     from tests.test_fidelity import NEW_TOKENS, PROMPTS
     tdtype = getattr(torch, dtype)

@@ -70,7 +70,7 @@ def run(pol: Path, port: int, kills: int, clients: int, before_s: float, after_s
             time.sleep(0.2)
         cli("restart", "--policy", pol, "--strategy", "ipc", "--wait", "120", check=True)  # onto the cache
         standby_prepared(pol)
-        load = ClientLoad("127.0.0.1", port, "m", clients=clients, max_tokens=4).start()
+        load = ClientLoad("127.0.0.1", port, None, clients=clients, max_tokens=4).start()
         kill_times, seen, served_by, kill_records = [], set(), [], []
         try:
             time.sleep(before_s)

@@ -45,7 +45,7 @@ def cli(*args, check=False) -> subprocess.CompletedProcess:
 
 
 def answers(port: int) -> bool:
-    body = json.dumps({"model": "m", "prompt": "ping", "max_tokens": 1, "temperature": 0}).encode()
+    body = json.dumps({"prompt": "ping", "max_tokens": 1, "temperature": 0}).encode()  # model: the one served
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=2) as r:

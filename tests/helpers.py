@@ -6,12 +6,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -261,3 +264,40 @@ def io_uring(value: int):
     finally:
         with open(IO_URING, "w") as f:
             f.write(old)
+
+
+def serve_reference(model, *extra, max_model_len: int = 256, log=None) -> tuple[subprocess.Popen, int]:
+    """A reference engine serving `model` on a free loopback port, once /health says ready: (process, port);
+    `log`: a file for its output."""
+    from tests.conftest import free_port
+    port = free_port()
+    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (the child holds it)
+    proc = subprocess.Popen([sys.executable, "-m", "restartkit.reference.serving.server", "--model", str(model), "--port",
+                             str(port), "--max-model-len", str(max_model_len), *extra], cwd=ROOT,
+                            stdout=out, stderr=subprocess.STDOUT if log else subprocess.DEVNULL)
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc, port
+        except OSError:
+            assert proc.poll() is None, "the engine exited"
+            time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("the engine did not get ready")
+
+
+TOOLS = [os.environ.get("RESTARTKIT_TOOLS", ""), "/opt/restartkit/tools/bin",
+         str(Path.home() / ".cache/restartkit/tools/bin")]
+
+
+def tool(name: str) -> str | None:
+    return shutil.which(name) or shutil.which(name, path=os.pathsep.join(t for t in TOOLS if t))
+
+
+def promtool_check(path: Path) -> None:
+    exe = tool("promtool")
+    if exe is None:
+        pytest.skip("no promtool (scripts/install-tools puts one in /opt/restartkit/tools/bin)")
+    r = subprocess.run([exe, "check", "metrics"], input=path.read_text(), capture_output=True, text=True)
+    assert r.returncode == 0, f"promtool check metrics {path}: {r.stdout}{r.stderr}"

@@ -216,3 +216,27 @@ def test_engine_adapters_come_from_one_registry():
         "ReferenceAdapter", "VLLMAdapter", "SGLangAdapter", "CommandAdapter"]
     adapter, why = get_adapter("tgi")
     assert adapter is None and "not supported (choices: reference, vllm, sglang, command)" in why
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject lists packages one by one: a folder left out installs only in editable mode."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "restartkit").rglob("__init__.py")}
+    found |= {"restartkit.strategies"} if (ROOT / "strategies" / "__init__.py").exists() else set()
+    assert found - listed == set(), found - listed
+
+
+def test_the_reference_engine_is_in_folders_by_role():
+    """The serving surface, the scheduler, the runtime and the model; nothing big left at the top, the model
+    never importing the serving surface or the scheduler."""
+    ref = ROOT / "restartkit" / "reference"
+    assert all(len(p.read_text().splitlines()) <= 500 for p in ref.glob("*.py"))
+    assert {p.name for p in ref.iterdir() if p.is_dir() and p.name != "__pycache__"} == {
+        "serving", "sched", "runtime", "model"}
+    for path in (ref / "model").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                assert not any(n.startswith(("restartkit.reference.serving", "restartkit.reference.sched"))
+                               for n in names), f"{path.name} imports {names}"

@@ -13,22 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port, prom_sample, run_cli
-
-TOOLS = [os.environ.get("RESTARTKIT_TOOLS", ""), "/opt/restartkit/tools/bin",
-         str(Path.home() / ".cache/restartkit/tools/bin")]
-
-
-def tool(name: str) -> str | None:
-    return shutil.which(name) or shutil.which(name, path=os.pathsep.join(t for t in TOOLS if t))
-
-
-def promtool_check(path: Path) -> None:
-    exe = tool("promtool")
-    if exe is None:
-        pytest.skip("no promtool (scripts/install-tools puts one in /opt/restartkit/tools/bin)")
-    r = subprocess.run([exe, "check", "metrics"], input=path.read_text(), capture_output=True, text=True)
-    assert r.returncode == 0, f"promtool check metrics {path}: {r.stdout}{r.stderr}"
-
+from tests.helpers import promtool_check, tool
 
 @pytest.fixture
 def textfile_dir():

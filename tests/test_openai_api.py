@@ -15,28 +15,11 @@ import pytest
 openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")
 
-from tests.conftest import ROOT, free_port  # noqa: E402
+from tests.helpers import serve_reference as serve  # noqa: E402
 from tests.hf import CHAT_TEMPLATE, checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
-
-
-def serve(model, *extra) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "restartkit.reference.serving.server", "--model", str(model), "--port",
-                             str(port), "--max-model-len", "256", *extra], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    end = time.monotonic() + 120
-    while time.monotonic() < end:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return proc, port
-        except OSError:
-            assert proc.poll() is None, "the engine exited"
-            time.sleep(0.1)
-    proc.kill()
-    raise AssertionError("the engine did not get ready")
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +114,8 @@ def test_streamed_logprobs_come_with_their_tokens_and_add_up_to_the_whole(engine
     assert len(parts) >= 2 and [e.model_dump() for p in parts for e in p] == [e.model_dump() for e in whole]
 
 
-@pytest.mark.parametrize("fields,param", [({"top_p": 0.5}, "top_p"), ({"presence_penalty": 1.0}, "presence_penalty"),
+@pytest.mark.parametrize("fields,param", [({"top_p": 1.5}, "top_p"), ({"presence_penalty": 3.0}, "presence_penalty"),
+                                          ({"logit_bias": {"5": 10}}, "logit_bias"),
                                           ({"extra_body": {"guided_json": {}}}, "guided_json"),
                                           ({"logprobs": 1, "echo": True}, "echo"), ({"best_of": 3}, "best_of")])
 def test_a_field_that_is_not_honoured_is_a_400_naming_it(engine, fields, param):

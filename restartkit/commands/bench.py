@@ -20,15 +20,17 @@ def _summary(values: list[float]) -> dict:
 
 
 def run_bench(service: Service, strategies: list[str], repeat: int, out: str | None = None,
-              say: Callable[[str], None] = lambda _m: None) -> dict:
+              say: Callable[[str], None] = lambda _m: None, clients: int = 0) -> dict:
+    """`clients`: that many clients (restartkit.clients.ClientLoad: no retries, a new connection each)
+    send greedy completions through the whole bench; each strategy's row says what they saw."""
     if service.current() is None or not service.is_ready():
         say(f"starting {service.policy.name} before the bench")
         service.engine.stop()
         service.engine.start("cold")
         service.canary()
-    rows = []
+    rows, load = [], _load(service, clients)
     for name in strategies:
-        runs = []
+        runs, seen = [], len(load.snapshot()) if load else 0
         for i in range(repeat):
             rec = restart(service, name, "restart", strict=False)
             say(f"{name} #{i + 1}: {rec.final_state} by {rec.served_by}"
@@ -48,8 +50,11 @@ def run_bench(service: Service, strategies: list[str], repeat: int, out: str | N
             "engine_phases_median_s": {p: round(statistics.median([r["engine_phases"].get(p, 0.0) for r in clean]), 4)
                                        for p in phase_names},
             "canary_identical": all(r["canary_identical"] is not False for r in runs),
+            **({"clients": _client_counts(load.snapshot()[seen:])} if load else {}),
         })
-    result = {"service": service.policy.name, "policy": service.policy.path, "repeat": repeat,
+    if load:
+        load.stop()
+    result = {"service": service.policy.name, "policy": service.policy.path, "repeat": repeat, "clients": clients,
               "host": {"machine": platform.machine(), "node": platform.node(), "python": platform.python_version()},
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": rows}
     if out:
@@ -58,6 +63,25 @@ def run_bench(service: Service, strategies: list[str], repeat: int, out: str | N
         (outdir / "bench.json").write_text(json.dumps(result, indent=2))
         result["plot"] = _plot(result, outdir / "bench.png")
     return result
+
+
+def _load(service: Service, clients: int):
+    if not clients:
+        return None
+    from restartkit.clients import ClientLoad
+    s, adapter = service.policy.service, service.adapter
+    host = "127.0.0.1" if s["host"] in ("0.0.0.0", "::", "") else s["host"]
+    return ClientLoad(host, s["port"], adapter.served_name(service.policy), clients=clients, max_tokens=32,
+                      timeout_s=service.policy.restart["start_timeout_s"],
+                      headers=adapter.auth_headers(service.policy)).start()
+
+
+def _client_counts(requests) -> dict:
+    counts: dict[str, int] = {}
+    for r in requests:  # an HTTP error by its status (a 503 while an engine loads is not a 500)
+        key = f"{r.outcome} {r.detail}" if r.outcome in ("5xx", "other") and r.detail else r.outcome
+        counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def _plot(result: dict, path: Path) -> str | None:
@@ -83,7 +107,9 @@ def _plot(result: dict, path: Path) -> str | None:
 
 def render_bench(result: dict) -> str:
     head = f"{'strategy':<9}{'runs':>5}{'ready median':>14}{'min':>8}{'max':>8}{'1st compl.':>12}  canary   phases (median)"
-    lines = [f"bench of {result['service']} ({result['repeat']} runs each, {result['date']})", head, "-" * len(head)]
+    load = f", {result['clients']} clients sending throughout" if result.get("clients") else ""
+    lines = [f"bench of {result['service']} ({result['repeat']} runs each{load}, {result['date']})", head,
+             "-" * len(head)]
     for r in result["rows"]:
         t, fc = r["time_to_ready_s"], r["first_completion_s"]
         if not r["clean_runs"]:
@@ -93,6 +119,8 @@ def render_bench(result: dict) -> str:
         phases = ", ".join(f"{k} {v:.2f}" for k, v in r["engine_phases_median_s"].items())
         lines.append(f"{r['strategy']:<9}{r['clean_runs']:>5}{t['median']:>13.2f}s{t['min']:>7.2f}s{t['max']:>7.2f}s"
                      f"{fc.get('median', 0):>11.3f}s  {'same' if r['canary_identical'] else 'DIFF':<8} {phases}")
+        if "clients" in r:
+            lines.append(f"{'':<9}clients: " + ", ".join(f"{k} {v}" for k, v in sorted(r["clients"].items())))
     if result.get("plot"):
         lines.append(f"plot: {result['plot']}")
     return "\n".join(lines)

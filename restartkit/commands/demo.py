@@ -178,7 +178,8 @@ def _crash_under_supervise(root: Path, workdir: str, port: int, state_root: str,
                       120, sup)
         engine = svc.current()
         say(f"serving (PID {engine.pid}) on the socket supervise holds; standby PID {armed['pid']} armed")
-        load = ClientLoad(svc.policy.service["host"], port, "demo", clients=4, max_tokens=4).start()
+        load = ClientLoad(svc.policy.service["host"], port, svc.adapter.served_name(svc.policy), clients=4,
+                          max_tokens=4).start()
         time.sleep(max(0.0, SUPERVISED_MIN_UPTIME_S + 0.5 - (time.time() - (engine.create_time or 0.0))))
         kill, killed_at = time.monotonic(), time.time()
         os.kill(engine.pid, signal.SIGKILL)

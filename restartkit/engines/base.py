@@ -5,6 +5,7 @@ import sys
 from dataclasses import dataclass
 
 from restartkit import http
+from restartkit.contracts import CANARY_HEADER
 
 
 @dataclass
@@ -43,12 +44,38 @@ class EngineAdapter:
     completion_extra: dict = {"return_token_ids": True}  # more request fields this engine's completions ask for
 
     def completion(self, policy, prompt, max_tokens: int, timeout: float = 60.0, base: str | None = None,
-                   extra: dict | None = None) -> dict:
+                   extra: dict | None = None, canary: bool = False) -> dict:
         """A greedy completion from the engine at `base` (default: the service's own URL); `extra`: the
-        fields beyond the standard ones (default: completion_extra)."""
+        fields beyond the standard ones (default: completion_extra); `canary`: marked as restartkit's
+        canary (CANARY_HEADER), which an engine that batches runs in a batch of its own."""
         body = {"model": self.served_name(policy), "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0.0, **(self.completion_extra if extra is None else extra)}
-        return http.post((base or self.base_url(policy)) + "/v1/completions", body, timeout=timeout)
+        headers = {**self.auth_headers(policy), **({CANARY_HEADER: "1"} if canary else {})}
+        return http.post((base or self.base_url(policy)) + "/v1/completions", body, timeout=timeout,
+                         headers=headers or None)
+
+    # the environment variable through which the engine takes its API key (None: this adapter gives none)
+    api_key_env: str | None = None
+
+    def auth_headers(self, policy) -> dict:
+        key = api_key(policy)
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def key_problem(self, policy) -> str | None:
+        """Why the policy's API key cannot be given to this engine (None: it can, or there is none)."""
+        try:
+            self.key_env(policy)
+        except RuntimeError as e:
+            return str(e)
+        return None
+
+    def key_env(self, policy) -> dict:
+        """The engine's environment entry for the policy's API key ({} without one)."""
+        key = api_key(policy)
+        if key and self.api_key_env is None:
+            raise RuntimeError(f"[service] api_key_file is set, but restartkit cannot give the {self.label} an API "
+                               "key: set the engine's own flag in engine_args and leave api_key_file out")
+        return {self.api_key_env: key} if key else {}
 
     def probe(self, policy, timeout: float = 30.0) -> None:
         """Ready means a real completion answered, not a 200 from /health."""
@@ -68,7 +95,7 @@ class EngineAdapter:
         r = policy.restart
         result = []
         for prompt in r["canary_prompts"]:
-            choice = self.completion(policy, prompt, r["canary_max_tokens"], base=base)["choices"][0]
+            choice = self.completion(policy, prompt, r["canary_max_tokens"], base=base, canary=True)["choices"][0]
             tokens = choice.get("token_ids")
             if tokens is None:
                 raise RuntimeError("the engine does not return token ids; the canary cannot compare tokens")
@@ -171,6 +198,21 @@ class EngineAdapter:
     def sleep_state(self, policy, pid: int | None) -> dict:
         """{"enabled": bool, "asleep": bool | None, "level": int | None, "why": str} of the running engine."""
         return {"enabled": False, "asleep": None, "level": None, "why": f"the {self.name} adapter has no sleep mode"}
+
+
+def api_key(policy) -> str | None:
+    """The API key in [service] api_key_file (None without one); an unreadable or empty file is an error naming it."""
+    path = policy.service.get("api_key_file") or ""
+    if not path:
+        return None
+    try:
+        key = open(path, encoding="utf-8").read().strip()
+    except (OSError, UnicodeError) as e:
+        raise RuntimeError(f"[service] api_key_file {path}: cannot read it ({getattr(e, 'strerror', None) or e}); "
+                           "write the key in it, readable by restartkit's user only (chmod 600)") from None
+    if not key or any(c.isspace() for c in key):
+        raise RuntimeError(f"[service] api_key_file {path}: it must hold one key, without spaces")
+    return key
 
 
 def canary_kind(canary) -> str:

@@ -75,7 +75,7 @@ class CommandAdapter(EngineAdapter):
         forms = [self._form] if self._form is not None else list(CANARY_FORMS)
         for i, form in enumerate(forms):
             try:
-                out = self.completion(policy, prompt, max_tokens, base=base, extra=form)
+                out = self.completion(policy, prompt, max_tokens, base=base, extra=form, canary=True)
             except HTTPFailure as e:
                 if e.status in (400, 422) and i + 1 < len(forms):
                     continue  # a field it does not take (a vLLM extension, logprobs): ask with less

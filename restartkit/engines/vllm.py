@@ -51,6 +51,7 @@ def plugin_problem() -> str | None:
 
 class VLLMAdapter(EngineAdapter):
     name = "vllm"
+    api_key_env = "VLLM_API_KEY"  # vLLM's --api-key default
     label = "vLLM"
     ipc_proof_in_log = True  # with vLLM's own weight cache ([ipc] health_port): its log says hit or fallback
     serves_on_socket = True  # restartkit's launcher serves on the service's held socket (--listen-fd)
@@ -101,7 +102,7 @@ class VLLMAdapter(EngineAdapter):
             argv += ["--worker-extension-cls", EXTENSION]
         argv += list(s["engine_args"]) + list(extra_args)
         from restartkit.engines.vllm_ext import ENV
-        env = {ENV: "1", **s["env"]}
+        env = {ENV: "1", **s["env"], **self.key_env(policy)}
         if policy.sleep["enabled"]:
             env.setdefault("VLLM_SERVER_DEV_MODE", "1")
         return LaunchSpec(argv=argv, env=env)

@@ -206,8 +206,9 @@ class EngineLifecycle:
     def start(self, strategy: str = "cold", extra_args: list[str] = (), extra_env: dict | None = None) -> Started:
         if self.adapter is None:
             raise UsageError(self.adapter_problem)
-        if problem := self.adapter.model_problem(self.policy):
-            key = "draft_model" if problem.startswith(("draft_model", "the draft model")) else "model"
+        if problem := self.adapter.model_problem(self.policy) or self.adapter.key_problem(self.policy):
+            key = "draft_model" if problem.startswith(("draft_model", "the draft model")) else \
+                "api_key_file" if "api_key_file" in problem else "model"
             raise EngineStartError(f"cannot start {self.policy.name}: {problem}",
                                    hint=f"fix [service] {key} in {self.policy.path}")
         if holder := self.port_holder_after_grace():

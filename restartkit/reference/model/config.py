@@ -12,6 +12,19 @@ class UnsupportedConfig(ValueError):
     """A config.json key whose math the reference engine does not implement: refused, never dropped."""
 
 
+class InvalidConfig(UnsupportedConfig):
+    """A config.json value no model can have (NaN, a negative size, an id outside the vocabulary): refused
+    before anything is allocated, naming the key and the value."""
+
+
+# (low, high) for every size the model reads: high is far past any real model, low what the math needs
+INT_RANGES = {"vocab_size": (2, 10_000_000), "hidden_size": (1, 1_000_000), "intermediate_size": (1, 10_000_000),
+              "num_hidden_layers": (1, 10_000), "num_attention_heads": (1, 100_000),
+              "num_key_value_heads": (1, 100_000), "max_position_embeddings": (1, 100_000_000),
+              "head_dim": (1, 100_000), "num_local_experts": (0, 100_000), "num_experts_per_tok": (1, 100_000)}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
 # config.json keys that change nothing the reference engine computes at inference (training knobs, metadata,
 # generation defaults a server does not apply: restartkit's canary and clients say what they want)
 INERT_KEYS = frozenset({
@@ -134,8 +147,60 @@ class ModelConfig:
                 refuse("eos_token_id", "an empty list")
             kwargs["eos_token_id"], kwargs["extra_eos_token_ids"] = eos[0], tuple(eos[1:])
         kwargs["head_dim"] = int(data.get("head_dim") or 0)
+        for key, value in kwargs.items():  # before the arithmetic in __post_init__ can trip on them
+            if key in INT_RANGES and (isinstance(value, bool) or not isinstance(value, int)):
+                _invalid(key, value, "must be a whole number")
+        if "num_attention_heads" in kwargs and kwargs["num_attention_heads"] < 1:
+            _invalid("num_attention_heads", kwargs["num_attention_heads"], "must be at least 1")
         theta, rope = _rope_of(data, refuse)
-        return cls(**kwargs, rope_theta=theta, rope=rope)
+        cfg = cls(**kwargs, rope_theta=theta, rope=rope)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Types and ranges of every value the model reads (InvalidConfig names the first one wrong)."""
+        import math
+        for key, (low, high) in INT_RANGES.items():
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                _invalid(key, value, f"must be a whole number from {low} to {high}")
+        if self.is_moe and self.num_experts_per_tok > self.num_local_experts:
+            _invalid("num_experts_per_tok", self.num_experts_per_tok,
+                     f"is more than num_local_experts ({self.num_local_experts})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            _invalid("num_key_value_heads", self.num_key_value_heads,
+                     f"must divide num_attention_heads ({self.num_attention_heads})")
+        if self.head_dim % 2:
+            _invalid("head_dim", self.head_dim, "must be even (rotary embeddings rotate pairs)")
+        for key, low, high in (("rms_norm_eps", 0.0, 1.0), ("rope_theta", 0.0, 1e12)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or not low < value < high:
+                _invalid(key, value, f"must be a finite number above {low:g} and below {high:g}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            _invalid("tie_word_embeddings", self.tie_word_embeddings, "must be true or false")
+        if self.torch_dtype not in DTYPE_NAMES:
+            _invalid("torch_dtype", self.torch_dtype, f"is not one of {', '.join(DTYPE_NAMES)}")
+        self.check_token_ids()
+        _check_rope(self.rope)
+
+    def check_token_ids(self) -> None:
+        for key, value in (("bos_token_id", self.bos_token_id), ("eos_token_id", self.eos_token_id),
+                           *(("eos_token_id", e) for e in self.extra_eos_token_ids)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab_size:
+                _invalid(key, value, f"must be a token id inside the vocabulary (0..{self.vocab_size - 1})")
+
+    def estimate_bytes(self, dtype_bytes: int, slots: int, max_len: int, tp_size: int = 1) -> tuple[int, int]:
+        """(weights, KV cache) of one rank in bytes, from the sizes alone: what the engine is about to
+        allocate, so an absurd config is refused before it tries."""
+        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
+        attn = h * self.num_attention_heads * self.head_dim * 2 + h * kv * 2
+        mlp = 3 * h * self.intermediate_size * max(1, self.num_local_experts)
+        router = h * self.num_local_experts
+        per_layer = (attn + mlp) // tp_size + 2 * h + router
+        weights = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h + self.num_hidden_layers * per_layer
+        cache = 2 * self.num_hidden_layers * slots * (max_len + 1) * (kv // tp_size)
+        return weights * dtype_bytes, cache * dtype_bytes
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "ModelConfig":
@@ -151,7 +216,39 @@ class ModelConfig:
             eos = [eos]
         if isinstance(eos, list) and eos and all(isinstance(e, int) for e in eos):
             cfg.eos_token_id, cfg.extra_eos_token_ids = eos[0], tuple(eos[1:])
+            try:
+                cfg.check_token_ids()
+            except InvalidConfig as e:
+                raise InvalidConfig(str(e).replace("config.json", "generation_config.json")) from None
         return cfg
+
+
+def _invalid(key: str, value, why: str):
+    raise InvalidConfig(f"config.json {key} = {json.dumps(value) if _plain(value) else repr(value)} {why}; fix "
+                        "the checkpoint's config.json")
+
+
+def _plain(value) -> bool:
+    import math
+    return isinstance(value, (int, str, bool)) or (isinstance(value, float) and math.isfinite(value))
+
+
+def _check_rope(rope: dict) -> None:
+    """Every rope scaling parameter a finite number in its range (a factor of -4 is not a model)."""
+    import math
+    positive = ("factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast", "beta_slow",
+                "mscale", "mscale_all_dim", "original_max_position_embeddings")
+    for key in positive:
+        if key not in rope or (key in ("attention_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow")
+                               and rope[key] is None):
+            continue
+        value = rope[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            _invalid(f"rope_scaling.{key}", value, "must be a finite number above 0")
+    if rope.get("rope_type") == "llama3" and rope["low_freq_factor"] == rope["high_freq_factor"]:
+        _invalid("rope_scaling.high_freq_factor", rope["high_freq_factor"], "must differ from low_freq_factor")
+    if "truncate" in rope and not isinstance(rope["truncate"], bool):
+        _invalid("rope_scaling.truncate", rope["truncate"], "must be true or false")
 
 
 def _rope_of(data: dict, refuse) -> tuple[float, dict]:
@@ -164,7 +261,11 @@ def _rope_of(data: dict, refuse) -> tuple[float, dict]:
     if "type" in rope and "rope_type" not in rope:  # the older spelling
         rope["rope_type"] = rope.pop("type")
     rope.pop("type", None)
-    theta = rope.pop("rope_theta", None) or data.get("rope_theta") or 10000.0  # transformers' default
+    theta = rope.pop("rope_theta", None)
+    theta = data.get("rope_theta") if theta is None else theta
+    theta = 10000.0 if theta is None else theta  # transformers' default
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        _invalid("rope_theta", theta, "must be a number")
     kind = rope.get("rope_type", "default")
     if kind not in ROPE_TYPES:
         refuse("rope_scaling" if "rope_scaling" in data else "rope_parameters",

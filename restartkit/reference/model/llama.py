@@ -5,9 +5,14 @@ engines load the same checkpoint and agree), grouped-query attention, SwiGLU,
 an optional mixture-of-experts MLP, and a static KV cache so that one decode
 step has fixed shapes and can be captured as a CUDA graph.
 
-Batch size is one: the engine serves requests one at a time under a lock.
-Attention always runs over the whole cache with a position mask, which keeps
-decode shapes static; for the model sizes used here that costs little.
+The KV cache has one slot per sequence the scheduler may run at once
+(restartkit.reference.sched).  A prefill runs one sequence's tokens in its
+slot; a decode step runs one token of each running sequence, each in its own
+slot, in one forward pass.  Attention always runs over a slot's whole cache
+with a position mask, which keeps decode shapes static (a CUDA graph of the
+step over every slot); for the model sizes used here that costs little.  Each
+slot has one more position than max_model_len: where a decode step over every
+slot writes the rows of the slots that are not decoding.
 
 A restarted engine pays, on its first forward pass, for every kind of GPU
 kernel it launches (the driver loads each kernel module on first use, 10-30 ms
@@ -175,19 +180,43 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=False)
         self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=False)
 
+    def decode(self, x, cos, sin, positions, slots, cache_k, cache_v, blocked):
+        """One token of each of B sequences: x [B, hidden], row b at positions[b] in slot slots[b] (None:
+        row b is slot b, every slot); cache_k, cache_v: [slots, n_kv, max_len, hd]; blocked: [B, max_len]."""
+        B, hd, n_kv = x.shape[0], self.head_dim, self.n_kv
+        group = self.n_heads // n_kv
+        q = apply_rope(self.q_proj(x).view(B, self.n_heads, hd), cos, sin)
+        k = apply_rope(self.k_proj(x).view(B, n_kv, hd), cos, sin)
+        v = self.v_proj(x).view(B, n_kv, hd)
+        rows = torch.arange(B, device=x.device) if slots is None else slots
+        cache_k[rows, :, positions] = k  # row b's KV heads at (its slot, its position)
+        cache_v[rows, :, positions] = v
+        span = blocked.shape[-1]  # the keys attended to: every position, or those up to the batch's last
+        keys = cache_k[:, :, :span] if slots is None else cache_k[:, :, :span].index_select(0, slots)
+        values = cache_v[:, :, :span] if slots is None else cache_v[:, :, :span].index_select(0, slots)
+        # per row and KV head: its group's query heads against that slot's keys [B, n_kv, span, hd] (head-major:
+        # a strided batch the matrix product reads in place, no copy of the cache)
+        scores = torch.matmul(q.view(B, n_kv, group, hd), keys.transpose(2, 3)).float() * hd ** -0.5
+        probs = scores.masked_fill(blocked[:, None, None, :], float("-inf")).softmax(-1).to(x.dtype)
+        out = torch.matmul(probs, values)  # [B, n_kv, group, hd]
+        return self.par.reduce(self.o_proj(out.reshape(B, self.n_heads * hd)))
+
     def forward(self, x, cos, sin, positions, cache_k, cache_v, blocked):
-        """blocked: [T, max_len], True where query t may not see key j."""
+        """One sequence's T tokens; cache_k, cache_v: its slot [n_kv, max_len, hd]; blocked: [T, max_len],
+        True where query t may not see key j."""
         T, hd, n_kv = x.shape[0], self.head_dim, self.n_kv
         group = self.n_heads // n_kv  # query heads per KV head
         q = apply_rope(self.q_proj(x).view(T, self.n_heads, hd), cos, sin)
         k = apply_rope(self.k_proj(x).view(T, n_kv, hd), cos, sin)
-        cache_k.index_copy_(0, positions, k)
-        cache_v.index_copy_(0, positions, self.v_proj(x).view(T, n_kv, hd))
+        cache_k.index_copy_(1, positions, k.transpose(0, 1))
+        cache_v.index_copy_(1, positions, self.v_proj(x).view(T, n_kv, hd).transpose(0, 1))
         # query head h reads KV head h // group: per KV head, its group's queries are rows (g, t)
         q = q.view(T, n_kv, group, hd).permute(1, 2, 0, 3).reshape(n_kv, group * T, hd)
-        scores = torch.bmm(q, cache_k.permute(1, 2, 0)).float() * hd ** -0.5  # [n_kv, group*T, max_len]
+        span = blocked.shape[-1]  # keys up to the last position of these tokens
+        cache_k, cache_v = cache_k[:, :span], cache_v[:, :span]
+        scores = torch.bmm(q, cache_k.transpose(1, 2)).float() * hd ** -0.5  # [n_kv, group*T, span]
         probs = scores.masked_fill(blocked.repeat(group, 1), float("-inf")).softmax(-1).to(x.dtype)
-        out = torch.bmm(probs, cache_v.transpose(0, 1)).view(n_kv, group, T, hd).permute(2, 0, 1, 3)
+        out = torch.bmm(probs, cache_v).view(n_kv, group, T, hd).permute(2, 0, 1, 3)
         return self.par.reduce(self.o_proj(out.reshape(T, self.n_heads * hd)))
 
 
@@ -258,8 +287,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, positions, cache_k, cache_v, blocked):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache_k, cache_v, blocked)
+        return x + self.feed_forward(self.post_attention_layernorm(x))
+
+    def decode(self, x, cos, sin, positions, slots, cache_k, cache_v, blocked):
+        x = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, positions, slots, cache_k, cache_v, blocked)
+        return x + self.feed_forward(self.post_attention_layernorm(x))
+
+    def feed_forward(self, x):
         ff = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        return x + ff(self.post_attention_layernorm(x))
+        return ff(x)
 
 
 class Backbone(nn.Module):
@@ -284,7 +320,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.cache_k: torch.Tensor | None = None
         self.cache_v: torch.Tensor | None = None
-        self.max_len = 0
+        self.max_len = self.slots = 0
         self._cos = self._sin = self._key_pos = None
 
     def tie(self) -> None:
@@ -294,17 +330,23 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     # ---- KV cache -------------------------------------------------------
-    def allocate_kv_cache(self, max_len: int) -> int:
-        """Allocate the static KV cache; returns its size in bytes."""
+    def allocate_kv_cache(self, max_len: int, slots: int = 1) -> int:
+        """Allocate the static KV cache: `slots` sequences of up to max_len tokens each (and the spare
+        position, `scratch`); returns its size in bytes."""
         cfg = self.config
         ref = self.lm_head.weight
-        shape = (cfg.num_hidden_layers, max_len, cfg.num_key_value_heads // self.par.tp_size, cfg.head_dim)
+        shape = (cfg.num_hidden_layers, slots, cfg.num_key_value_heads // self.par.tp_size, max_len + 1, cfg.head_dim)
         self.cache_k = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
         self.cache_v = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
-        self.max_len = max_len
-        self._cos, self._sin = rope_tables(cfg.head_dim, max_len, cfg.rope_theta, ref.dtype, ref.device, cfg.rope)
-        self._key_pos = torch.arange(max_len).to(ref.device)
+        self.max_len, self.slots = max_len, slots
+        self._cos, self._sin = rope_tables(cfg.head_dim, max_len + 1, cfg.rope_theta, ref.dtype, ref.device, cfg.rope)
+        self._key_pos = torch.arange(max_len + 1).to(ref.device)
         return 2 * self.cache_k.numel() * self.cache_k.element_size()
+
+    @property
+    def scratch(self) -> int:
+        """The spare position of every slot: a decode step over every slot writes there for a slot not decoding."""
+        return self.max_len
 
     def drop_kv_cache(self) -> None:
         self.cache_k = self.cache_v = None
@@ -316,15 +358,31 @@ class LlamaForCausalLM(nn.Module):
         return 2 * self.cache_k.numel() * self.cache_k.element_size()
 
     # ---- forward ----------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """tokens, positions: int64 [T].  Returns float32 logits [T, vocab]."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int = 0) -> torch.Tensor:
+        """One sequence: tokens, positions int64 [T] (consecutive: a prompt's chunk, or draft tokens being
+        checked), in KV-cache slot `slot`.  Returns float32 logits [T, vocab]."""
         cos = self._cos.index_select(0, positions)
         sin = self._sin.index_select(0, positions)
-        # query i may not see key j when j > position_i
-        blocked = self._key_pos.unsqueeze(0) > positions.unsqueeze(1)
+        # query i may not see key j when j > position_i; keys past the last position are not read at all
+        span = int(positions[-1]) + 1 if positions.device.type == "cpu" else self.max_len + 1
+        blocked = self._key_pos[:span].unsqueeze(0) > positions.unsqueeze(1)
         x = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, positions, self.cache_k[i], self.cache_v[i], blocked)
+            x = layer(x, cos, sin, positions, self.cache_k[i, slot], self.cache_v[i, slot], blocked)
+        x = self.model.norm(x)
+        return self.lm_head(x).float()
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None,
+               span: int | None = None) -> torch.Tensor:
+        """One token of each of B sequences: tokens, positions int64 [B], row b in slot slots[b] (None: every
+        slot, row b in slot b); `span`: attend to the first span positions only (more than the batch's
+        last; None: all, as a CUDA graph must).  Returns float32 logits [B, vocab]."""
+        cos = self._cos.index_select(0, positions)
+        sin = self._sin.index_select(0, positions)
+        blocked = self._key_pos[:span].unsqueeze(0) > positions.unsqueeze(1)
+        x = self.model.embed_tokens(tokens)
+        for i, layer in enumerate(self.model.layers):
+            x = layer.decode(x, cos, sin, positions, slots, self.cache_k[i], self.cache_v[i], blocked)
         x = self.model.norm(x)
         return self.lm_head(x).float()
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -30,6 +29,7 @@ class EngineOptions:
     expert_parallel: bool = False
     quantization: str = "none"
     dist_init: str = ""  # tcp://host:port of rank 0, for tp_size > 1
+    max_num_seqs: int = 8  # KV-cache slots: the sequences that run at once (restartkit.reference.sched)
 
 
 @dataclass
@@ -41,32 +41,12 @@ class Completion:
     top_logprobs: list[dict[int, float]] | None = None  # per token: the k likeliest ids and their logprobs
 
 
-# called with each new token id as it is chosen, with its logprob and top logprobs when asked (else None);
-# True: stop here (a stop string was met)
-OnToken = Callable[[int, float | None, dict | None], bool] | None
-
-
 class EngineNotReady(RuntimeError):
     pass
 
 
-CMD_EXIT, CMD_GENERATE, CMD_DROP_KV, CMD_RESTORE_KV = 0, 1, 2, 3
-
-
-def _note_logprobs(logits32: torch.Tensor, chosen: int, lps: list | None, tops: list | None, k: int) -> None:
-    if lps is None and tops is None:
-        return
-    logp = torch.log_softmax(logits32, dim=-1)
-    if lps is not None:
-        lps.append(float(logp[chosen]))
-    if tops is not None:
-        vals, ids = torch.topk(logp, min(k, logp.shape[-1]))
-        tops.append({int(i): float(v) for i, v in zip(ids, vals)})
-
-
-def _last(lps: list | None, tops: list | None) -> tuple:
-    """The logprob and top logprobs just noted, for on_token (None where not asked)."""
-    return (lps[-1] if lps else None), (tops[-1] if tops else None)
+# what rank 0 tells the other ranks to run (tensor parallel)
+CMD_EXIT, CMD_PREFILL, CMD_DROP_KV, CMD_RESTORE_KV, CMD_DECODE, CMD_SPECULATE = 0, 1, 2, 3, 4, 5
 
 
 @dataclass
@@ -79,6 +59,8 @@ class Engine:
     lock: threading.Lock = field(default_factory=threading.Lock)
     _graph: object = None
     _static: dict = field(default_factory=dict)
+    scheduler: object = None  # restartkit.reference.sched.Scheduler, once serving
+    is_draft: bool = False  # a draft model: one KV-cache slot, run by its model's speculative decoding
     draft: "Engine | None" = None  # a draft model: greedy requests decode speculatively with it
     spec_tokens: int = 3  # draft tokens proposed per round
     spec_counts: dict = field(default_factory=lambda: {"rounds": 0, "proposed": 0, "accepted": 0})
@@ -129,6 +111,7 @@ class Engine:
                 "reference engine does not do; lower max_model_len to max_position_embeddings")
         if problem := check_parallel(self.config, self.par):
             raise ValueError(problem)
+        self._check_memory(from_disk=weights is None)
         if self.options.tp_size > 1 and getattr(self, "_control", None) is None:  # a draft shares its model's
             self._timed("dist_init", self.init_distributed)
         self._weights = weights or self.load_from_disk
@@ -138,12 +121,26 @@ class Engine:
         if self.options.tp_size > 1:
             self._gather_load_results()
 
+    def _check_memory(self, from_disk: bool) -> None:
+        """Refuse, before allocating anything, a model whose weights (when read from disk) and KV cache
+        would not fit in this device's memory at all: a config.json with absurd sizes fails in seconds."""
+        weights, cache = self.config.estimate_bytes(self.dtype.itemsize, self.slots, self.options.max_model_len,
+                                                    self.options.tp_size)
+        need = cache + (weights if from_disk else 0)
+        total = device_memory(self.device)
+        if total and need > total:
+            gib = 1 << 30
+            raise UnsupportedConfig(
+                f"config.json sizes need {need / gib:.1f} GiB on {self.device} (weights {weights / gib:.1f} GiB, "
+                f"KV cache {cache / gib:.1f} GiB for {self.slots} sequences of {self.options.max_model_len} tokens); "
+                f"it has {total / gib:.1f} GiB: check config.json's sizes, or lower max_model_len or max_num_seqs")
+
     def warm_up_early(self, max_len: int = 256) -> None:
         """Before activation, for an engine prepared beside the one it replaces: the first
         forward pass's one-time costs (kernel loading, library set-up) paid on a small
         temporary KV cache, so that activation is left with allocation and graph capture."""
         def run():
-            self.model.allocate_kv_cache(min(max_len, self.options.max_model_len))
+            self.model.allocate_kv_cache(min(max_len, self.options.max_model_len), 1)
             try:
                 self.warmup(1)
             finally:
@@ -152,12 +149,26 @@ class Engine:
 
     def activate(self) -> None:
         """What needs the device to itself: KV cache, warm-up, graph capture."""
-        self._timed("kv_cache_alloc", self.model.allocate_kv_cache, self.options.max_model_len)
+        self._timed("kv_cache_alloc", self.model.allocate_kv_cache, self.options.max_model_len, self.slots)
         graph = self.device.type == "cuda" and self.options.cuda_graph and self.options.tp_size == 1
         # the capture runs the decode step eagerly first: the warm-up then needs only the prefill
         self._timed("warmup", self.warmup, 1 if graph else 2)
         if graph:
             self._timed("cuda_graph_capture", self.capture_decode_graph)
+
+    @property
+    def slots(self) -> int:
+        """KV-cache slots: max_num_seqs, or one for a draft model (it runs one sequence at a time)."""
+        return 1 if self.is_draft else self.options.max_num_seqs
+
+    @property
+    def leads(self) -> bool:
+        """Rank 0 of a tensor-parallel group, serving: it tells the other ranks each step it runs.  Before it
+        serves (the warm-up) every rank runs the same steps by itself, in lockstep."""
+        return self.options.tp_size > 1 and self.options.tp_rank == 0 and self.scheduler is not None
+
+    def can_serve(self) -> bool:
+        return self.model is not None and self.model.cache_k is not None
 
     def init_distributed(self) -> None:
         import datetime
@@ -222,8 +233,7 @@ class Engine:
     @torch.inference_mode()
     def warmup(self, max_tokens: int = 2) -> None:
         """A real forward pass: /health says ready only after this ran."""
-        self._generate_locked([self.config.bos_token_id, 1, 2, 3], max_tokens=max_tokens, temperature=0.0, seed=0,
-                              want_logprobs=False)
+        self.generate([self.config.bos_token_id, 1, 2, 3], max_tokens=max_tokens)
 
     def capture_decode_graph(self) -> None:
         self._graph, self._static = capture_decode(self.model, self.device)
@@ -231,61 +241,36 @@ class Engine:
     def drop_graph(self) -> None:
         self._graph, self._static = None, {}
 
-    # ---- generation -----------------------------------------------------------
-    def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0,
-                 seed: int | None = None, want_logprobs: bool = False, top_logprobs: int = 0,
-                 on_token: OnToken = None) -> Completion:
-        """`top_logprobs`: the k likeliest tokens at each step too; `on_token`: each token as it is chosen
-        (streaming, stop strings).  With tensor parallelism every rank runs the same steps, so a stop asked
-        by `on_token` ends the completion's tokens but not its steps (the caller cuts the text)."""
-        with self.lock:
-            self._validate(prompt, max_tokens)
-            if self.options.tp_size > 1:
-                self._broadcast(CMD_GENERATE, prompt, max_tokens, temperature, seed, want_logprobs)
-            return self._generate_locked(prompt, max_tokens, temperature, seed, want_logprobs, top_logprobs, on_token)
-
-    # ---- tensor parallel: rank 0 tells the others what to run -------------------
-    def _broadcast(self, cmd: int, prompt=(), max_tokens=0, temperature=0.0, seed=None, want_logprobs=False):
-        import struct
-
-        import torch.distributed as dist
-        temp_bits = struct.unpack("<q", struct.pack("<d", float(temperature)))[0]
-        header = torch.tensor([cmd, len(prompt), max_tokens, temp_bits, -1 if seed is None else seed, int(want_logprobs)],
-                              dtype=torch.long)
-        group = getattr(self, "_control", None)
-        dist.broadcast(header, src=0, group=group)
-        if len(prompt):
-            dist.broadcast(torch.tensor(prompt, dtype=torch.long), src=0, group=group)
-
-    def worker_loop(self) -> None:
-        """Ranks > 0: run what rank 0 broadcasts, until told to exit."""
-        import struct
-
-        import torch.distributed as dist
-        group = getattr(self, "_control", None)
-        while True:
-            header = torch.zeros(6, dtype=torch.long)
-            dist.broadcast(header, src=0, group=group)
-            cmd, n, max_tokens, temp_bits, seed, want_lp = header.tolist()
-            if cmd == CMD_EXIT:
-                return
-            if cmd == CMD_GENERATE:
-                prompt = torch.zeros(n, dtype=torch.long)
-                dist.broadcast(prompt, src=0, group=group)
-                temperature = struct.unpack("<d", struct.pack("<q", temp_bits))[0]
-                self._generate_locked(prompt.tolist(), max_tokens, temperature, None if seed < 0 else seed, bool(want_lp))
-            elif cmd == CMD_DROP_KV:
-                self._drop_kv_locked()
-            elif cmd == CMD_RESTORE_KV:
-                self._restore_kv_locked()
-
-    def shutdown_workers(self) -> None:
-        if self.options.tp_size > 1 and self.options.tp_rank == 0:
+    # ---- generation: the steps the scheduler runs --------------------------------------------
+    def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int | None = None,
+                 want_logprobs: bool = False, top_logprobs: int = 0, **sampling) -> Completion:
+        """One completion, in a batch of its own: through the scheduler once it runs, else in this thread
+        (the warm-up, tests); `sampling`: the rest of sched.sequence.Sampling (top_p, penalties, ...)."""
+        from restartkit.reference.sched.scheduler import run_alone
+        from restartkit.reference.sched.sequence import Sampling, Sequence
+        self.check_prompt(prompt, max_tokens)
+        seq = Sequence(list(prompt), Sampling(max_tokens, temperature, seed, want_logprobs, top_logprobs, **sampling),
+                       isolated=True)
+        if self.scheduler is not None:
+            self.scheduler.submit([seq])
+        else:
             with self.lock:
-                self._broadcast(CMD_EXIT)
+                run_alone(self, seq)
+        tokens, lps, tops, finish = [], [], [], "length"
+        while True:
+            ev = seq.events.get()
+            if ev.kind == "error":
+                raise ev.error
+            if ev.kind == "done":
+                finish = ev.finish
+                break
+            tokens.append(ev.token)
+            lps.append(ev.logprob)
+            tops.append(ev.top)
+        return Completion(list(prompt), tokens, lps if want_logprobs else None, finish, tops if top_logprobs else None)
 
-    def _validate(self, prompt, max_tokens) -> None:
-        if self.model is None or self.model.cache_k is None:
+    def check_prompt(self, prompt, max_tokens) -> None:
+        if not self.can_serve():
             raise EngineNotReady("the engine holds no weights or KV cache")
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -296,73 +281,69 @@ class Engine:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
 
     @torch.inference_mode()
-    def _generate_locked(self, prompt, max_tokens, temperature, seed, want_logprobs, top_logprobs=0,
-                         on_token: OnToken = None) -> Completion:
-        if self.draft is not None and not (temperature and temperature > 0):
-            return self._speculate_locked(prompt, max_tokens, want_logprobs, top_logprobs, on_token)
-        dev, eos = self.device, self.config.eos_token_ids
-        gen = torch.Generator().manual_seed(seed if seed is not None else self.options.seed)
-        logits = self.model(torch.tensor(prompt, device=dev), torch.arange(len(prompt)).to(dev))[-1]
-        out, lps, tops = [], [] if want_logprobs else None, [] if top_logprobs else None
-        finish, stopped, lockstep = "length", False, self.options.tp_size > 1
-        pos = len(prompt)
-        for step in range(max_tokens):
-            logits32 = logits.float().cpu()
-            if temperature and temperature > 0:
-                probs = torch.softmax(logits32 / temperature, dim=-1)
-                nxt = int(torch.multinomial(probs, 1, generator=gen))
-            else:
-                nxt = int(torch.argmax(logits32))
-            if not stopped:
-                _note_logprobs(logits32, nxt, lps, tops, top_logprobs)
-                out.append(nxt)
-            if nxt in eos:  # every rank ends here, as every rank chose the same token
-                finish = "stop"
-                break
-            if not stopped and on_token is not None and on_token(nxt, *_last(lps, tops)):
-                finish, stopped = "stop", True
-                if not lockstep:  # the other ranks take the steps to the end: so does this one, silently
-                    break
-            if step + 1 < max_tokens:
-                logits = self._decode(nxt, pos)
-                pos += 1
-        return Completion(list(prompt), out, lps, finish, tops)
+    def prefill(self, slot: int, tokens: list[int], start: int) -> torch.Tensor:
+        """Prompt tokens start.. of the sequence in `slot` into its KV cache; their logits [T, vocab]."""
+        if self.leads:
+            self._broadcast(CMD_PREFILL, [slot, start], tokens)
+        dev = self.device
+        return self.model(torch.tensor(tokens, device=dev), torch.arange(start, start + len(tokens)).to(dev), slot)
 
     @torch.inference_mode()
-    def _speculate_locked(self, prompt, max_tokens, want_logprobs, top_logprobs=0, on_token: OnToken = None) -> Completion:
-        """Greedy decoding with the draft proposing up to spec_tokens tokens a round, which this
-        model checks in one forward pass: every token emitted is this model's own greedy choice
-        (the draft only decides how many come out of one pass)."""
-        dev, draft, eos = self.device, self.draft, self.config.eos_token_ids
-        seq, out, lps, tops = list(prompt), [], [] if want_logprobs else None, [] if top_logprobs else None
-        stop = []
+    def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One token of each sequence (row b: `tokens[b]` at `positions[b]` in slot `slots[b]`) in one
+        forward pass; their logits [B, vocab].  With a decode graph: the graph's step over every slot,
+        the slots not decoding writing at their spare position."""
+        if self.leads:
+            self._broadcast(CMD_DECODE, [len(slots)], [*slots, *tokens, *positions])
+        if self._graph is not None:
+            st = self._static
+            st["tok_host"].zero_()
+            st["pos_host"].fill_(self.model.scratch)
+            st["tok_host"][slots] = torch.tensor(tokens)
+            st["pos_host"][slots] = torch.tensor(positions)
+            st["tok"].copy_(st["tok_host"])  # pageable host memory: the copy is done when this returns
+            st["pos"].copy_(st["pos_host"])
+            self._graph.replay()
+            return st["out"][torch.tensor(slots, device=self.device)]
+        dev = self.device
+        return self.model.decode(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
+                                 torch.tensor(slots, device=dev), span=max(positions) + 1)
+
+    @torch.inference_mode()
+    def speculate(self, seq) -> None:
+        """Greedy decoding of one sequence (restartkit.reference.sched.sequence) with the draft proposing
+        up to spec_tokens tokens a round, which this model checks in one forward pass: every token emitted
+        is this model's own greedy choice (the draft only decides how many come out of one pass).  The
+        draft runs in its single slot; this model in the sequence's."""
+        from restartkit.reference.sched.sequence import Event, choose
+        if self.leads:
+            self._broadcast(CMD_SPECULATE, [seq.sampling.max_tokens, seq.slot], seq.prompt)
+        dev, draft, eos, slot = self.device, self.draft, self.config.eos_token_ids, seq.slot
+        prompt, max_tokens, out = seq.prompt, seq.sampling.max_tokens, seq.tokens
 
         def take(row: torch.Tensor) -> int:  # this model's greedy choice from one row of logits
-            row32 = row.float().cpu()
-            nxt = int(torch.argmax(row32))
-            _note_logprobs(row32, nxt, lps, tops, top_logprobs)
-            out.append(nxt)
-            seq.append(nxt)
-            if on_token is not None and nxt not in eos and on_token(nxt, *_last(lps, tops)):
-                stop.append(True)
-            return nxt
+            token, logprob, top = choose(seq, row.float().cpu(), self.options.seed)
+            out.append(token)
+            seq.emit(Event(0, "token", token, logprob, top, eos=token in eos))
+            return token
 
         def done() -> bool:
-            return len(out) >= max_tokens or out[-1] in eos or bool(stop)
+            return len(out) >= max_tokens or out[-1] in eos
 
-        take(self.model(torch.tensor(prompt, device=dev), torch.arange(len(prompt)).to(dev))[-1])
-        drafted = 0  # how much of seq the draft's KV cache holds
+        take(self.model(torch.tensor(prompt, device=dev), torch.arange(len(prompt)).to(dev), slot)[-1])
+        drafted = 0  # how much of the sequence the draft's KV cache holds
         while not done():
-            pos = len(seq) - 1  # the last token's position: in neither cache yet
+            seen = prompt + out
+            pos = len(seen) - 1  # the last token's position: in neither cache yet
             k = min(self.spec_tokens, max_tokens - len(out))
             # the draft catches up on what it has not seen (through the last token), then proposes k
-            logits = draft.model(torch.tensor(seq[drafted:], device=dev), torch.arange(drafted, pos + 1).to(dev))[-1]
+            logits = draft.model(torch.tensor(seen[drafted:], device=dev), torch.arange(drafted, pos + 1).to(dev))[-1]
             props = [int(torch.argmax(logits))]
             for j in range(1, k):
                 logits = draft.model(torch.tensor([props[-1]], device=dev), torch.tensor([pos + j], device=dev))[0]
                 props.append(int(torch.argmax(logits)))
             # row j: this model's logits after the last token and the first j proposals
-            rows = self.model(torch.tensor([seq[-1], *props], device=dev), torch.arange(pos, pos + k + 1).to(dev))
+            rows = self.model(torch.tensor([seen[-1], *props], device=dev), torch.arange(pos, pos + k + 1).to(dev), slot)
             j = 0  # proposals accepted
             while take(rows[j]) == (props[j] if j < k else None):
                 j += 1
@@ -372,21 +353,62 @@ class Engine:
             self.spec_counts["rounds"] += 1
             self.spec_counts["proposed"] += k
             self.spec_counts["accepted"] += j
-        return Completion(list(prompt), out, lps, "stop" if out[-1] in eos or stop else "length", tops)
+        seq.emit(Event(0, "done", finish="stop" if out[-1] in eos else "length"))
 
-    def _decode(self, token: int, pos: int) -> torch.Tensor:
-        if self._graph is not None:
-            self._static["tok"].fill_(token)
-            self._static["pos"].fill_(pos)
-            self._graph.replay()
-            return self._static["out"][0]
-        dev = self.device
-        return self.model(torch.tensor([token], device=dev), torch.tensor([pos], device=dev))[0]
+    # ---- tensor parallel: rank 0 tells the others what to run -------------------
+    def _broadcast(self, cmd: int, args=(), payload=()) -> None:
+        """A command, up to four integer arguments and a list of integers, from rank 0 to every rank."""
+        import torch.distributed as dist
+        header = torch.tensor([cmd, len(payload), *args, *[0] * (4 - len(args))], dtype=torch.long)
+        group = getattr(self, "_control", None)
+        dist.broadcast(header, src=0, group=group)
+        if len(payload):
+            dist.broadcast(torch.tensor(payload, dtype=torch.long), src=0, group=group)
+
+    def worker_loop(self) -> None:
+        """Ranks > 0: run what rank 0 broadcasts, until told to exit."""
+        import torch.distributed as dist
+
+        from restartkit.reference.sched.sequence import Sampling, Sequence
+        group = getattr(self, "_control", None)
+        while True:
+            header = torch.zeros(6, dtype=torch.long)
+            dist.broadcast(header, src=0, group=group)
+            cmd, n, a, b, _, _ = header.tolist()
+            payload = torch.zeros(n, dtype=torch.long)
+            if n:
+                dist.broadcast(payload, src=0, group=group)
+            data = payload.tolist()
+            if cmd == CMD_EXIT:
+                return
+            if cmd == CMD_PREFILL:
+                self.prefill(a, data, b)
+            elif cmd == CMD_DECODE:
+                self.decode(data[:a], data[a:2 * a], data[2 * a:])
+            elif cmd == CMD_SPECULATE:  # the same greedy steps as rank 0, its tokens kept here
+                seq = Sequence(data, Sampling(a))
+                seq.slot = b
+                self.speculate(seq)
+            elif cmd == CMD_DROP_KV:
+                self._drop_kv_locked()
+            elif cmd == CMD_RESTORE_KV:
+                self._restore_kv_locked()
+
+    def shutdown_workers(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        if self.options.tp_size > 1 and self.options.tp_rank == 0:
+            with self.lock:
+                self._broadcast(CMD_EXIT)
+
+    def exclusive(self):
+        """The engine to itself (a context): the scheduler's batch drained and paused, else its lock."""
+        return self.scheduler.exclusive() if self.scheduler is not None else self.lock
 
     # ---- memory -------------------------------------------------------------
     def drop_kv_cache(self) -> int:
         """Free the KV cache and cached allocator blocks; returns bytes freed."""
-        with self.lock:
+        with self.exclusive():
             if self.options.tp_size > 1:
                 self._broadcast(CMD_DROP_KV)
             freed = self._drop_kv_locked()
@@ -402,14 +424,14 @@ class Engine:
         return freed
 
     def restore_kv_cache(self) -> None:
-        with self.lock:
+        with self.exclusive():
             if self.options.tp_size > 1:
                 self._broadcast(CMD_RESTORE_KV)
             self._restore_kv_locked()
 
     def _restore_kv_locked(self) -> None:
         if self.model.cache_k is None:
-            self.model.allocate_kv_cache(self.options.max_model_len)
+            self.model.allocate_kv_cache(self.options.max_model_len, self.slots)
             if self.device.type == "cuda" and self.options.cuda_graph and self.options.tp_size == 1:
                 self.capture_decode_graph()
 
@@ -419,7 +441,7 @@ class Engine:
         no tensor, mapping or handle of the arena is left in this process, so a snapshot of it
         holds neither.  Only for weights that came from the weight cache: they can come back."""
         import gc
-        with self.lock:
+        with self.exclusive():
             if self.options.tp_size > 1 or self.draft is not None:
                 raise ValueError("weights are released at tensor_parallel_size 1 without a draft model only")
             if self.model is None:
@@ -444,7 +466,7 @@ class Engine:
     def reattach_weights(self, fallback: bool = False) -> dict:
         """Map the weights from the weight cache again (after a restore, in the restored process),
         then the KV cache and the decode graph; returns how the weights came (load_info)."""
-        with self.lock:
+        with self.exclusive():
             if self.model is None:
                 t0 = time.perf_counter()
                 self._weights(fallback=fallback)
@@ -458,6 +480,20 @@ class Engine:
         return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.device.type != "meta")
 
 
+def device_memory(device: torch.device) -> int:
+    """All of the device's memory in bytes (the host's on the CPU); 0 where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def _trim_heap() -> None:
     """glibc's malloc_trim: free heap pages returned to the kernel (elsewhere: nothing)."""
     import ctypes
@@ -469,20 +505,22 @@ def _trim_heap() -> None:
 
 @torch.inference_mode()
 def capture_decode(model, dev: torch.device):
-    """A CUDA graph of one decode step (token and position as static inputs), after two
-    eager runs on a side stream; returns (graph, {"tok", "pos", "out"})."""
-    tok = torch.zeros(1, dtype=torch.long, device=dev)
-    pos = torch.zeros(1, dtype=torch.long, device=dev)
+    """A CUDA graph of one decode step over every KV-cache slot (row b: slot b; each row's token and
+    position as static inputs, a slot not decoding at its spare position), after two eager runs on a
+    side stream; returns (graph, {"tok", "pos", "out", "tok_host", "pos_host"})."""
+    tok_host = torch.zeros(model.slots, dtype=torch.long)
+    pos_host = torch.full((model.slots,), model.scratch, dtype=torch.long)
+    tok, pos = tok_host.to(dev), pos_host.to(dev)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
-            model(tok, pos)
+            model.decode(tok, pos, None)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = model(tok, pos)
-    return graph, {"tok": tok, "pos": pos, "out": out}
+        out = model.decode(tok, pos, None)
+    return graph, {"tok": tok, "pos": pos, "out": out, "tok_host": tok_host, "pos_host": pos_host}
 
 
 def set_tensor(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -25,15 +25,27 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 from restartkit.reference.log import log
+from restartkit.reference.serving.serving_completions import CompletionRoutes
+from restartkit.reference.serving.utility_routes import EngineMetrics, UtilityRoutes
 from restartkit.reference.serving import reuseport
 
 MAX_BODY = 1 << 20
+PROTECTED = ("/v1/", "/tokenize", "/detokenize")  # the routes an API key guards
+READ_TIMEOUT_S = 60.0  # a connection that sends nothing for this long (mid-request, or idle between requests)
 
 
-def encode_prompt(tokenizer, prompt: str) -> list[int]:
-    """A text prompt's token ids with the special tokens the tokenizer itself adds (its post-processor:
-    BOS for Llama 3's, nothing for one without), as transformers encodes it."""
-    return tokenizer.encode(prompt).ids
+def _check_text(obj) -> None:
+    """Every string in a parsed body is text (a lone surrogate escape, \\ud800, is not): UnicodeError."""
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            item.encode("utf-8")
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 class EngineServer(ThreadingHTTPServer):
@@ -118,8 +130,10 @@ class EngineServer(ThreadingHTTPServer):
 class State:
     """What the handlers see: the engine (None while loading) and the tokenizer."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, api_key: str | None = None):
         self.model_name = model_name
+        self.api_key = api_key  # clients send it to the PROTECTED routes (None: no key asked)
+        self.metrics = EngineMetrics(self)  # /metrics
         self.engine = None
         self.tokenizer = None
         self.ready = False
@@ -151,7 +165,7 @@ class State:
         return self.inflight
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(CompletionRoutes, UtilityRoutes, BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: EngineServer
 
@@ -188,14 +202,43 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def _body(self) -> dict | None:
-        length = int(self.headers.get("Content-Length") or 0)
+        """The request's JSON object, or None after a 4xx naming what is wrong with it (the connection is
+        closed after one whose body could not be read to its end)."""
+        if self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+            self._error(411, "chunked request bodies are not accepted: send Content-Length")
+            return None
+        text = self.headers.get("Content-Length") or "0"
+        if not text.strip().isdigit():
+            self.close_connection = True
+            self._error(400, f"Content-Length {text[:40]!r} is not a byte count")
+            return None
+        length = int(text)
         if length > MAX_BODY:
+            self.close_connection = True
             self._error(413, f"request body over {MAX_BODY} bytes")
             return None
-        raw = self.rfile.read(length) if length else b"{}"
         try:
-            body = json.loads(raw or b"{}")
-        except json.JSONDecodeError as e:
+            raw = self.rfile.read(length) if length else b"{}"
+        except TimeoutError:
+            raw = b""
+        if len(raw) < length:  # the client stopped sending (or its read timed out): nothing more will come
+            self.close_connection = True
+            self._error(400, f"request body ended after {len(raw)} of {length} bytes (Content-Length)")
+            return None
+        try:
+            body = json.loads((raw or b"{}").decode("utf-8"))
+            _check_text(body)
+        except UnicodeDecodeError as e:
+            self._error(400, f"request body is not valid UTF-8 text: {e.reason} at byte {e.start}")
+            return None
+        except UnicodeEncodeError:
+            self._error(400, "request body has a string that is not text (a lone UTF-16 surrogate escape)")
+            return None
+        except RecursionError:
+            self._error(400, "request body is JSON nested too deeply")
+            return None
+        except ValueError as e:
             self._error(400, f"request body is not JSON: {e}")
             return None
         if not isinstance(body, dict):
@@ -203,12 +246,29 @@ class Handler(BaseHTTPRequestHandler):
             return None
         return body
 
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own refusals (a malformed request line, headers too long) as OpenAI-shaped JSON."""
+        self.close_connection = True
+        if getattr(self, "request_version", "HTTP/0.9") == "HTTP/0.9":  # an unreadable request line: answer in 1.1
+            self.request_version = "HTTP/1.1"
+        try:
+            self._error(code, message or explain or "malformed request")
+        except OSError:
+            pass
+
+    def setup(self):
+        super().setup()
+        if self.connection.gettimeout() is None:  # a client that stops sending mid-request frees its thread
+            self.connection.settimeout(READ_TIMEOUT_S)
+
     # ---- routes -------------------------------------------------------------
     def _counted(self, handler) -> None:
         # From the parsed request to the last byte of its answer (an idle
         # keep-alive connection does not count), so a stopping engine answers
         # everything it accepted before it exits.
         st = self.server.state
+        started = self._started = time.perf_counter()
+        self._status = 0
         with st.inflight_lock:
             st.inflight += 1
             st.inflight_count.set(st.inflight)
@@ -218,6 +278,11 @@ class Handler(BaseHTTPRequestHandler):
             with st.inflight_lock:
                 st.inflight -= 1
                 st.inflight_count.set(st.inflight)
+            self._observe(urlparse(self.path).path, started)
+
+    def send_response(self, code, message=None):
+        self._status = code  # for /metrics
+        super().send_response(code, message)
 
     def do_GET(self):
         self._counted(self._get)
@@ -227,6 +292,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _get(self):
         path = urlparse(self.path).path
+        if not self._authorized(path):
+            return
         st = self.server.state
         if path == "/health":
             if st.sleeper is not None and st.sleeper.asleep:
@@ -247,6 +314,10 @@ class Handler(BaseHTTPRequestHandler):
                 return
             self._send(200, {"object": "list", "data": [
                 {"id": st.model_name, "object": "model", "created": int(st.started_at), "owned_by": "restartkit"}]})
+        elif path == "/version":
+            self._version()
+        elif path == "/metrics":
+            self._metrics()
         elif path == "/admin/stats":
             if self._local_only():
                 self._send(200, self._stats())
@@ -256,6 +327,8 @@ class Handler(BaseHTTPRequestHandler):
     def _post(self):
         parsed = urlparse(self.path)
         path, query = parsed.path, parse_qs(parsed.query)
+        if not self._authorized(path):
+            return
         body = self._body()
         if body is None:
             return
@@ -264,6 +337,10 @@ class Handler(BaseHTTPRequestHandler):
                 self._complete(body, chat=False)
             elif path == "/v1/chat/completions":
                 self._complete(body, chat=True)
+            elif path == "/tokenize":
+                self._tokenize(body)
+            elif path == "/detokenize":
+                self._detokenize(body)
             elif path in ("/sleep", "/wake_up"):
                 self._sleep_or_wake(path, query)
             elif path.startswith("/admin/") and not self._local_only():
@@ -322,7 +399,7 @@ class Handler(BaseHTTPRequestHandler):
         from restartkit.reference.runtime.sleep import SleepError
         eng = st.engine
         try:
-            with eng.lock:
+            with eng.exclusive():
                 if path == "/sleep":
                     level = int((query.get("level") or ["1"])[0])
                     st.ready = False
@@ -346,6 +423,20 @@ class Handler(BaseHTTPRequestHandler):
             awake = not st.sleeper.asleep and eng.model.cache_k is not None
             head = {"status": "awake" if awake else "sleeping", "tags": query.get("tags")}
         self._send(200, {**head, **info, "is_sleeping": st.sleeper.asleep})
+
+    def _authorized(self, path: str) -> bool:
+        """With an API key: the OpenAI routes want it (Authorization: Bearer); /health, /version, /metrics
+        and the loopback-only admin routes do not.  A 401 otherwise."""
+        import hmac
+        key = self.server.state.api_key
+        if key is None or not path.startswith(PROTECTED):
+            return True
+        sent = self.headers.get("Authorization") or ""
+        if hmac.compare_digest(sent.encode(), f"Bearer {key}".encode()):
+            return True
+        self.close_connection = True  # its body, if any, is not read
+        self._error(401, "a valid API key is needed: send Authorization: Bearer <key>", "authentication_error")
+        return False
 
     def _from_this_host(self) -> bool:
         """Loopback, or this host calling the specific address the server binds (restartkit does
@@ -389,6 +480,11 @@ class Handler(BaseHTTPRequestHandler):
                        held_socket=self.server.held,
                        weight_bytes=eng.weight_bytes(), kv_cache_bytes=eng.model.kv_cache_bytes,
                        cuda_graph=eng._graph is not None)
+        if eng is not None and eng.scheduler is not None:
+            s = eng.scheduler
+            running, waiting = s.depth
+            out["scheduler"] = {"running": running, "waiting": waiting, "max_num_seqs": s.max_num_seqs,
+                                "max_queued_seqs": s.max_waiting, **s.counts}
             if eng.draft is not None:
                 out["speculative"] = {"draft_model": eng.draft.options.model, "tokens": eng.spec_tokens,
                                       **eng.spec_counts}
@@ -404,149 +500,3 @@ class Handler(BaseHTTPRequestHandler):
         self.server.state.ready = False
         freed = eng.drop_kv_cache()
         self._send(200, {"freed_bytes": freed})
-
-    def _complete(self, body: dict, chat: bool) -> None:
-        """/v1/completions and /v1/chat/completions, streamed (server-sent events ending in [DONE]) or not;
-        n choices per prompt, stop strings, logprobs, echo (restartkit.reference.serving.completions)."""
-        from restartkit.reference.serving.completions import BadRequest, read_chat, read_completion
-        from restartkit.reference.runtime.engine import EngineNotReady
-        st = self.server.state
-        if not self._serving():
-            return
-        t0 = time.perf_counter()
-        try:
-            ask = (read_chat(body, st.tokenizer, st.chat_template, st.special_tokens) if chat
-                   else read_completion(body, st.tokenizer, encode_prompt))
-        except BadRequest as e:
-            self._error(400, str(e), param=e.param)
-            return
-        usage = {"prompt_tokens": 0, "completion_tokens": 0}
-        if ask.stream:
-            self._events_begin()
-            if chat:  # the assistant's turn opens
-                self._event(self._chunk(ask, 0, {"role": "assistant", "content": ""}, None))
-        try:
-            choices = self._choices(ask, usage)
-        except EngineNotReady as e:  # it went to sleep (or dropped its cache) after the check above
-            if ask.stream:
-                return  # the stream ends without [DONE]: the client sees it cut
-            self._error(503, f"the engine is not ready: {e}", "unavailable")
-            return
-        except ValueError as e:
-            if ask.stream:
-                self._event({"error": {"message": str(e), "type": "invalid_request_error", "code": 400}})
-                return
-            self._error(400, str(e))
-            return
-        except OSError:  # the client went away mid-stream
-            return
-        st.requests += 1
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        if ask.stream:
-            if ask.include_usage:
-                self._event({**self._head(ask), "choices": [], "usage": usage})
-            self._event(b"[DONE]")
-        else:
-            self._send(200, {**self._head(ask), "choices": choices, "usage": usage,
-                             "system_fingerprint": f"restartkit-ref-{os.getpid()}"})
-        if "first_request" not in st.phases:  # after a restart, restartkit's readiness probe
-            st.phases["first_request"] = round(time.perf_counter() - t0, 4)
-
-    def _choices(self, ask, usage: dict) -> list[dict]:
-        """n choices for each prompt, each streamed as its tokens come when asked (each chunk with the logprobs
-        of the tokens its text completes); the choices (not streamed)."""
-        from restartkit.reference.serving.completions import TextSoFar
-        st, chat, choices = self.server.state, ask.chat, []
-        for pi, ids in enumerate(ask.prompts):
-            usage["prompt_tokens"] += len(ids)
-            for j in range(ask.n):
-                index = pi * ask.n + j
-                if ask.stream and ask.echo:
-                    self._event(self._chunk(ask, index, ask.prompt_texts[pi], None))
-                so_far = TextSoFar(st.tokenizer, ask.stop)
-                stream = _Streamed(self, ask, index, so_far) if ask.stream else None
-                so_far.send = stream
-                max_tokens = ask.max_tokens or max(1, st.engine.options.max_model_len - len(ids))
-                # choice j of n samples with its own seed (greedy choices are alike whatever the seed)
-                seed = ask.seed + j if ask.seed is not None else None if j == 0 else st.engine.options.seed + j
-                comp = st.engine.generate(ids, max_tokens, ask.temperature, seed, want_logprobs=ask.want_logprobs,
-                                          top_logprobs=ask.top_logprobs, on_token=so_far)
-                text = so_far.finish(comp.tokens)
-                finish = "stop" if so_far.stopped else comp.finish_reason
-                usage["completion_tokens"] += len(comp.tokens)
-                if stream is not None:  # the last chunk: the finish reason, the logprobs of what remains (an EOS)
-                    self._event(self._chunk(ask, index, {} if chat else "", finish,
-                                            stream.logprobs(comp.tokens, comp.logprobs, comp.top_logprobs)))
-                else:
-                    choices.append(self._choice(ask, index, (ask.prompt_texts[pi] if ask.echo else "") + text,
-                                                finish, comp))
-        return choices
-
-    def _head(self, ask, chunk: bool = False) -> dict:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if ask.chat else "text_completion"
-        return {"id": f"{'chatcmpl' if ask.chat else 'cmpl'}-{ask.id}", "object": kind, "created": ask.created,
-                "model": self.server.state.model_name}
-
-    def _chunk(self, ask, index: int, piece, finish, logprobs=None) -> dict:
-        if ask.chat:
-            delta = piece if isinstance(piece, dict) else {"content": piece}
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        else:
-            choice = {"index": index, "text": piece, "logprobs": logprobs, "finish_reason": finish}
-        return {**self._head(ask, chunk=True), "choices": [choice]}
-
-    def _choice(self, ask, index: int, text: str, finish: str, comp) -> dict:
-        logprobs = self._logprobs(ask, comp) if ask.want_logprobs else None
-        if ask.chat:
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                    "finish_reason": finish, "token_ids": comp.tokens}
-        return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs,
-                "token_ids": comp.tokens, "prompt_token_ids": comp.prompt_tokens}
-
-    def _logprobs(self, ask, comp) -> dict:
-        return self._logprobs_of(ask, comp.tokens, comp.logprobs, comp.top_logprobs)
-
-    def _logprobs_of(self, ask, tokens: list[int], lps: list, tops: list | None, at: int = 0) -> dict:
-        """OpenAI's logprobs for these tokens (chat: `content`; completions: tokens, token_logprobs,
-        top_logprobs, text_offset counted from `at`)."""
-        tok = self.server.state.tokenizer
-        names = [tok.id_to_token(t) or "" for t in tokens]
-        each_top = tops or [None] * len(tokens)
-        if ask.chat:
-            def entry(t, lp):
-                piece = tok.decode([t], skip_special_tokens=False)
-                return {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
-            return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in (top or {}).items()]}
-                                for t, lp, top in zip(tokens, lps, each_top)]}
-        offsets = []
-        for t in tokens:
-            offsets.append(at)
-            at += len(tok.decode([t], skip_special_tokens=True))
-        return {"tokens": names, "token_logprobs": list(lps),
-                "top_logprobs": [{tok.id_to_token(i) or "": v for i, v in top.items()} for top in each_top]
-                if tops else None, "text_offset": offsets}
-
-
-class _Streamed:
-    """One streamed choice: each piece of text TextSoFar lets go is a chunk, with the logprobs of the
-    tokens it completes (when asked), their text offsets running on from the chunk before."""
-
-    def __init__(self, handler, ask, index: int, so_far):
-        self.handler, self.ask, self.index, self.so_far = handler, ask, index, so_far
-        self.done, self.at = 0, 0  # tokens whose logprobs were sent; the text offset after them
-
-    def __call__(self, piece: str) -> None:
-        sf = self.so_far
-        lps = self.logprobs(sf.tokens, sf.logprobs, sf.top_logprobs if self.ask.top_logprobs else None)
-        self.handler._event(self.handler._chunk(self.ask, self.index, piece, None, lps))
-
-    def logprobs(self, tokens: list[int], lps: list | None, tops: list | None) -> dict | None:
-        """The logprobs of tokens[done:] (None when not asked, or none is left), counted as sent."""
-        first, self.done = self.done, len(tokens)
-        if not self.ask.want_logprobs or first >= len(tokens):
-            return None
-        out = self.handler._logprobs_of(self.ask, tokens[first:], lps[first:], tops[first:] if tops else None, self.at)
-        if not self.ask.chat:  # the offset after these tokens: the last one's, plus its text
-            tok = self.handler.server.state.tokenizer
-            self.at = out["text_offset"][-1] + len(tok.decode([tokens[-1]], skip_special_tokens=True))
-        return out

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 
 def _port(text: str) -> int:
@@ -15,6 +16,16 @@ def _port(text: str) -> int:
     return port
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not at least 1")
+    return n
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="restartkit engine serve")
     p.add_argument("--model", required=True)
@@ -22,9 +33,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-model-len", type=_positive, default=1024)
+    p.add_argument("--max-num-seqs", type=_positive, default=8,
+                   help="sequences decoded at once (KV-cache slots; each holds max-model-len tokens)")
+    p.add_argument("--max-queued-seqs", type=_positive, default=256,
+                   help="sequences waiting for a slot; a request that would queue more gets a 503 with Retry-After")
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key", default=os.environ.get("RESTARTKIT_API_KEY") or None,
+                   help="clients must send it (Authorization: Bearer) to /v1/*, /tokenize and /detokenize; "
+                        "default: $RESTARTKIT_API_KEY (the environment keeps it out of the process list)"),
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--data-parallel-size", type=int, default=1)
@@ -68,6 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _rebuild_argv(args) -> list[str]:
     out = ["--model", args.model, "--device", args.device, "--max-model-len", str(args.max_model_len),
+           "--max-num-seqs", str(args.max_num_seqs),
            "--tensor-parallel-size", str(args.tensor_parallel_size), "--quantization", args.quantization,
            "--data-parallel-size", str(args.data_parallel_size), "--data-parallel-rank", str(args.data_parallel_rank),
            "--load-format", args.load_format, "--ipc-config", json.dumps(args.ipc), "--dist-port", str(args.dist_port),

@@ -28,8 +28,8 @@ def _make_engine(args, draft: bool = False):
                          max_model_len=args.max_model_len, cuda_graph=not (args.no_cuda_graph or draft),
                          tp_size=args.tensor_parallel_size, tp_rank=rank,
                          expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
-                         dist_init=f"tcp://127.0.0.1:{args.dist_port}")
-    return Engine(opts)
+                         dist_init=f"tcp://127.0.0.1:{args.dist_port}", max_num_seqs=args.max_num_seqs)
+    return Engine(opts, is_draft=draft)
 
 
 def _start_engine(engine, args, gate=None) -> None:
@@ -134,6 +134,9 @@ def _load(args, state: State, outcome: dict, gate=None) -> None:
     except Exception as e:
         outcome["error"] = f"{type(e).__name__}: {e}"
         return
+    from restartkit.reference.sched.scheduler import Scheduler
+    engine.scheduler = Scheduler(engine, args.max_num_seqs, args.max_queued_seqs)
+    engine.scheduler.start()
     state.engine = engine
     if args.enable_sleep_mode:
         if args.tensor_parallel_size > 1:

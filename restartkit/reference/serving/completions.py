@@ -20,16 +20,15 @@ class BadRequest(ValueError):
 
 
 # fields both endpoints honour, and the value each refused field may still carry (its neutral value)
+SAMPLING = {"top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+            "stop_token_ids", "ignore_eos", "min_tokens"}  # OpenAI's, and vLLM's extensions
 COMMON = {"model", "max_tokens", "temperature", "seed", "n", "stop", "stream", "stream_options", "user",
-          "return_token_ids"}
-NEUTRAL = {"top_p": (None, 1, 1.0), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-           "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
+          "return_token_ids"} | SAMPLING
+NEUTRAL = {"logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
            "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
            "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, True, False),
            "store": (None, False), "metadata": None, "service_tier": (None, "auto", "default")}
-WHY = {"top_p": "nucleus sampling is not implemented (temperature sampling and greedy are)",
-       "presence_penalty": "penalties are not implemented", "frequency_penalty": "penalties are not implemented",
-       "logit_bias": "logit bias is not implemented", "best_of": "best_of is not implemented; ask for n choices",
+WHY = {"logit_bias": "logit bias is not implemented", "best_of": "best_of is not implemented; ask for n choices",
        "suffix": "insertion (suffix) is not implemented", "tools": "tool calls are not implemented",
        "tool_choice": "tool calls are not implemented", "functions": "function calls are not implemented",
        "function_call": "function calls are not implemented",
@@ -58,6 +57,7 @@ class Ask:
     stream: bool
     include_usage: bool
     chat: bool
+    sampling: dict = field(default_factory=dict)  # top_p .. min_tokens (sched.sequence.Sampling's names)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -106,7 +106,37 @@ def _common(body: dict, chat: bool) -> dict:
         raise BadRequest("stream_options takes include_usage only, and only with stream: true", "stream_options")
     return {"max_tokens": max_tokens, "temperature": float(temperature), "seed": seed,
             "n": _int(body, "n", 1, 1, MAX_N), "stop": stop, "stream": stream,
-            "include_usage": bool((opts or {}).get("include_usage"))}
+            "include_usage": bool((opts or {}).get("include_usage")), "sampling": _sampling(body, max_tokens)}
+
+
+def _number(body: dict, key: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or not (
+            (low < v if low_open else low <= v) and v <= high):
+        raise BadRequest(f"{key} must be a number {'above' if low_open else 'from'} {low:g} "
+                         f"{'and at most' if low_open else 'to'} {high:g}, not {json.dumps(v)[:40]}", key)
+    return float(v)
+
+
+def _sampling(body: dict, max_tokens: int | None) -> dict:
+    """The sampling fields beyond temperature, checked (vLLM's ranges)."""
+    top_k = _int(body, "top_k", 0, -1)
+    ids = body.get("stop_token_ids") or []
+    if not isinstance(ids, list) or len(ids) > 64 or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise BadRequest("stop_token_ids must be a list of up to 64 token ids", "stop_token_ids")
+    ignore_eos = body.get("ignore_eos") or False
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest("ignore_eos must be true or false", "ignore_eos")
+    min_tokens = _int(body, "min_tokens", 0, 0, max_tokens)
+    return {"top_p": _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), "top_k": max(top_k, 0),
+            "min_p": _number(body, "min_p", 0.0, 0.0, 1.0),
+            "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
+            "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+            "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.0, 10.0, low_open=True),
+            "stop_token_ids": tuple(ids), "ignore_eos": ignore_eos, "min_tokens": min_tokens}
 
 
 def read_completion(body: dict, tokenizer, encode) -> Ask:
@@ -121,6 +151,8 @@ def read_completion(body: dict, tokenizer, encode) -> Ask:
             prompts.append(encode(tokenizer, p))
             texts.append(p)
         elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            if (bad := next((t for t in p if not 0 <= t < 1 << 31), None)) is not None:  # the vocabulary: the engine's
+                raise BadRequest(f"prompt token id {bad} is not a token id (0 or more)", "prompt")
             prompts.append(list(p))
             texts.append(tokenizer.decode(p, skip_special_tokens=True))
         else:
@@ -143,6 +175,24 @@ def read_chat(body: dict, tokenizer, template: str | None, special: dict) -> Ask
     """/v1/chat/completions: messages rendered with the tokenizer's chat template (a 400 when it has none),
     logprobs (true/false) and top_logprobs (0..20)."""
     _check_fields(body, CHAT_FIELDS)
+    ids, text = _chat(body, tokenizer, template, special)
+    logprobs = body.get("logprobs") or False
+    if not isinstance(logprobs, bool):
+        raise BadRequest("logprobs must be true or false", "logprobs")
+    top = _int(body, "top_logprobs", 0, 0, 20)
+    if top and not logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    return Ask(prompts=[ids], prompt_texts=[text], want_logprobs=logprobs, top_logprobs=top, echo=False, chat=True,
+               **_common(body, True))
+
+
+def chat_ids(body: dict, tokenizer, template: str | None, special: dict) -> list[int]:
+    """The token ids of a request's messages rendered with the chat template (/tokenize)."""
+    return _chat(body, tokenizer, template, special)[0]
+
+
+def _chat(body: dict, tokenizer, template: str | None, special: dict) -> tuple[list[int], str]:
+    """The messages checked and rendered: (token ids, text)."""
     if template is None:
         raise BadRequest("this model's tokenizer has no chat template (tokenizer_config.json chat_template, or "
                          "chat_template.jinja): use /v1/completions", "messages")
@@ -162,15 +212,13 @@ def read_chat(body: dict, tokenizer, template: str | None, special: dict) -> Ask
             raise BadRequest(f"messages[{i}].content must be text", "messages")
         plain.append({"role": m["role"], "content": content})
     text = render_chat(template, plain, special)
-    logprobs = body.get("logprobs") or False
-    if not isinstance(logprobs, bool):
-        raise BadRequest("logprobs must be true or false", "logprobs")
-    top = _int(body, "top_logprobs", 0, 0, 20)
-    if top and not logprobs:
-        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
-    ids = tokenizer.encode(text, add_special_tokens=False).ids  # the template writes the special tokens itself
-    return Ask(prompts=[ids], prompt_texts=[text], want_logprobs=logprobs, top_logprobs=top, echo=False, chat=True,
-               **_common(body, True))
+    return tokenizer.encode(text, add_special_tokens=False).ids, text  # the template writes the special tokens
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """A text prompt's token ids with the special tokens the tokenizer itself adds (its post-processor:
+    BOS for Llama 3's, nothing for one without), as transformers encodes it."""
+    return tokenizer.encode(prompt).ids
 
 
 # ---- chat templates ------------------------------------------------------------------------
@@ -216,11 +264,48 @@ def render_chat(template: str, messages: list[dict], special: dict) -> str:
                                                                                        ensure_ascii=ensure_ascii)
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
     try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special)
+        pieces = env.from_string(template).generate(messages=messages, add_generation_prompt=True, **special)
+        return _bounded(pieces, RENDER_LIMIT_S, RENDER_MAX_CHARS)
     except BadRequest:
         raise
     except TemplateError as e:
         raise BadRequest(f"the chat template failed: {e}", "messages") from None
+    except RecursionError:
+        raise BadRequest("the chat template recursed too deeply", "messages") from None
+
+
+RENDER_LIMIT_S = 2.0  # a chat template that renders longer than this costs its request a 400, never a thread
+RENDER_MAX_CHARS = 4 << 20
+
+
+class _TooLong(Exception):
+    pass
+
+
+def _bounded(pieces, limit_s: float, max_chars: int) -> str:
+    """The template's output, within a time limit (checked at every line the template's compiled code runs,
+    so a loop that writes nothing is stopped too) and a size limit."""
+    import sys
+    end = time.monotonic() + limit_s
+
+    def tracer(frame, event, arg):
+        if time.monotonic() > end:
+            raise _TooLong()
+        return tracer
+
+    out, size, before = [], 0, sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        for piece in pieces:
+            size += len(piece)
+            if size > max_chars:
+                raise BadRequest(f"the chat template's output is over {max_chars} characters", "messages")
+            out.append(piece)
+    except _TooLong:
+        raise BadRequest(f"the chat template took more than {limit_s:g} s to render", "messages") from None
+    finally:
+        sys.settrace(before)
+    return "".join(out)
 
 
 # ---- text, token by token ------------------------------------------------------------------

@@ -35,7 +35,7 @@ def serve(args: argparse.Namespace) -> int:
         return serve_worker(args)
     if args.prepare_only:
         return serve_prepared(args)
-    state = State(args.served_model_name or os.path.basename(os.path.normpath(args.model)))
+    state = State(args.served_model_name or os.path.basename(os.path.normpath(args.model)), args.api_key)
     try:
         given = given_socket(args)
         # Bind first: a port in use is reported before minutes of loading.
@@ -123,7 +123,7 @@ def serve_prepared(args: argparse.Namespace) -> int:
     private port), and only then binds the public port beside the old engine
     (SO_REUSEPORT).  Stop signals work at every step."""
     # long: the hand-over's steps in the order they happen, each with its deadline and its stop check
-    state = State(args.served_model_name or os.path.basename(os.path.normpath(args.model)))
+    state = State(args.served_model_name or os.path.basename(os.path.normpath(args.model)), args.api_key)
     state.prepared_mode = True
     given = given_socket(args)  # the service's socket: accepted on once promoted
     private = EngineServer(("127.0.0.1", 0), state)

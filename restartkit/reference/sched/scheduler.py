@@ -1,0 +1,222 @@
+"""The scheduler: one object between the HTTP surface and the model, deciding step by step which
+sequences join, run and leave (continuous batching).
+
+Each step, under the engine's lock:
+  - sequences whose reader cancelled them leave (a client gone, a stop string met);
+  - waiting sequences join while a KV-cache slot is free (max_num_seqs slots);
+  - one chunk of one joining sequence's prompt is prefilled (long prompts take several steps, so a
+    long prompt never stalls the running batch for long); its last chunk yields its first token;
+  - every sequence past its prefill decodes one token, all of them in one forward pass;
+  - sequences that met their end-of-sequence token or their max_tokens leave, freeing their slot.
+
+Isolated sequences (restartkit's canary, speculative decoding) run in a batch of their own: a
+greedy token can depend on the batch it was computed in (a matrix product's summation order
+changes with its row count), and the canary must compare like with like across restarts.
+
+Admin work that needs the engine to itself (sleep, a KV-cache drop before a snapshot, a weight
+release) goes through `exclusive()`: no sequence joins, the running ones finish, the work runs.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from contextlib import contextmanager
+
+from restartkit.reference.sched.sequence import Event, Sequence, choose, stops
+
+PREFILL_CHUNK = 512  # prompt tokens per prefill step
+
+
+class Overloaded(RuntimeError):
+    """The waiting queue is full: a 503 with Retry-After."""
+
+
+class EngineGone(RuntimeError):
+    """The engine holds no weights or KV cache (asleep, dropped for a snapshot): a 503."""
+
+
+class Scheduler:
+    def __init__(self, engine, max_num_seqs: int, max_waiting: int, prefill_chunk: int = PREFILL_CHUNK):
+        self.engine = engine
+        self.max_num_seqs, self.max_waiting, self.prefill_chunk = max_num_seqs, max_waiting, prefill_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_slots = list(range(max_num_seqs))
+        self.cond = threading.Condition()
+        self.paused = 0  # exclusive() holders waiting or working
+        self.stopped = False
+        # isolated: sequences that ran in a batch of their own to the end; shared_isolated: ones that did not
+        self.counts = {"steps": 0, "decode_rows": 0, "prefill_tokens": 0, "finished": 0, "cancelled": 0,
+                       "isolated": 0, "shared_isolated": 0}
+        self._thread: threading.Thread | None = None
+
+    # ---- the HTTP surface's side ------------------------------------------------------------
+    def submit(self, seqs: list[Sequence]) -> None:
+        """Queue a request's sequences, all or none (Overloaded when they do not fit the waiting queue)."""
+        with self.cond:
+            if len(self.waiting) + len(seqs) > self.max_waiting:
+                raise Overloaded(f"{len(self.waiting)} sequences are waiting (max {self.max_waiting}); "
+                                 "retry shortly")
+            self.waiting.extend(seqs)
+            self.cond.notify_all()
+
+    @property
+    def depth(self) -> tuple[int, int]:
+        """(running, waiting) sequences."""
+        return len(self.running), len(self.waiting)
+
+    @contextmanager
+    def exclusive(self):
+        """The engine to itself: nothing joins, the running sequences finish, then the body runs under
+        the engine's lock.  Sequences still waiting join afterwards (or fail, if the body took the
+        engine's weights or KV cache away)."""
+        with self.cond:
+            self.paused += 1
+            self.cond.notify_all()
+            while self.running:
+                self.cond.wait()
+        try:
+            with self.engine.lock:
+                yield
+        finally:
+            with self.cond:
+                self.paused -= 1
+                self.cond.notify_all()
+
+    # ---- the loop ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name="scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def run(self) -> None:
+        while self._work_to_do():
+            try:
+                with self.engine.lock:
+                    self.step()
+            except Exception as e:  # a failed step fails the sequences in it, never the loop
+                self._fail_running(e)
+
+    def _work_to_do(self) -> bool:
+        """Wait until there is something to run; False once stopped."""
+        with self.cond:
+            while not self.stopped and not self._admit() and not self.running:
+                self.cond.wait()
+            return not self.stopped
+
+    def _admit(self) -> bool:
+        """Move waiting sequences into free slots (called under cond); True when anything runs."""
+        while self.waiting and self.free_slots and not self.paused:
+            head = self.waiting[0]
+            if head.cancelled.is_set():
+                self.waiting.popleft()
+                self._finish(head, "cancelled")
+                continue
+            if self.running and (head.isolated or self.running[0].isolated):
+                break  # an isolated sequence waits for an empty batch, and keeps it to itself
+            seq = self.waiting.popleft()
+            if not self.engine.can_serve():
+                seq.emit(Event(0, "error", error=EngineGone("the engine holds no weights or KV cache")))
+                seq.finished = True
+                continue
+            seq.slot = self.free_slots.pop()
+            self.running.append(seq)
+        return bool(self.running)
+
+    def step(self) -> None:
+        """One step (see the module's docstring), under the engine's lock."""
+        for seq in [s for s in self.running if s.cancelled.is_set()]:
+            self._leave(seq, "cancelled")
+        if not self.running:
+            return
+        if not self.engine.can_serve():
+            raise EngineGone("the engine holds no weights or KV cache")
+        self.counts["steps"] += 1
+        if len(self.running) > 1:
+            for seq in self.running:
+                seq.shared = True
+        if self.running[0].isolated and self.engine.draft is not None and self.running[0].sampling.plain_greedy:
+            seq = self.running[0]  # speculative decoding: the draft and this model, the whole sequence at once
+            self.engine.speculate(seq)
+            self._leave(seq, None)
+            return
+        decoding = [s for s in self.running if not s.prefilling]
+        joining = next((s for s in self.running if s.prefilling), None)
+        if joining is not None:
+            self._prefill_chunk(joining)
+        if decoding:
+            self._decode(decoding)
+
+    def _prefill_chunk(self, seq: Sequence) -> None:
+        start = seq.prefilled
+        end = min(len(seq.prompt), start + self.prefill_chunk)
+        logits = self.engine.prefill(seq.slot, seq.prompt[start:end], start)
+        seq.prefilled = end
+        self.counts["prefill_tokens"] += end - start
+        if not seq.prefilling:  # its first token, from the prompt's last position
+            self._take(seq, logits[-1].float().cpu())
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        logits = self.engine.decode([s.slot for s in seqs], [s.tokens[-1] for s in seqs], [s.position for s in seqs])
+        self.counts["decode_rows"] += len(seqs)
+        if all(s.sampling.plain_greedy and not (s.sampling.logprobs or s.sampling.top_logprobs) for s in seqs):
+            # the argmax where the logits are: one integer per row crosses to the host, not a vocabulary of floats
+            for seq, token in zip(seqs, logits.argmax(dim=-1).tolist()):
+                self._took(seq, token, None, None)
+            return
+        rows = logits.float().cpu()
+        for i, seq in enumerate(seqs):
+            self._take(seq, rows[i])
+
+    def _take(self, seq: Sequence, row) -> None:
+        token, logprob, top = choose(seq, row, self.engine.options.seed, self.engine.config.eos_token_ids)
+        self._took(seq, token, logprob, top)
+
+    def _took(self, seq: Sequence, token: int, logprob, top) -> None:
+        eos = token in stops(seq, self.engine.config.eos_token_ids)
+        seq.tokens.append(token)
+        seq.emit(Event(0, "token", token, logprob, top, eos=eos))
+        if eos:
+            self._leave(seq, "stop")
+        elif len(seq.tokens) >= seq.sampling.max_tokens:
+            self._leave(seq, "length")
+
+    def _leave(self, seq: Sequence, finish: str | None) -> None:
+        """`finish` None: it finished and said so itself (speculative decoding)."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.free_slots.append(seq.slot)
+        self._finish(seq, finish)
+        with self.cond:
+            self.cond.notify_all()  # an exclusive() waiting for the batch to empty
+
+    def _finish(self, seq: Sequence, finish: str | None) -> None:
+        if seq.isolated:
+            self.counts["shared_isolated" if seq.shared else "isolated"] += 1
+        if finish == "cancelled":
+            self.counts["cancelled"] += 1
+        else:
+            self.counts["finished"] += 1
+            if finish is not None:
+                seq.emit(Event(0, "done", finish=finish))
+        seq.finished = True
+
+    def _fail_running(self, error: Exception) -> None:
+        for seq in list(self.running):
+            seq.emit(Event(0, "error", error=error))
+            self._leave(seq, "cancelled")
+
+
+def run_alone(engine, seq: Sequence) -> None:
+    """Run one sequence to its end in this thread, in slot 0 (no scheduler is running: the warm-up)."""
+    sched = Scheduler(engine, 1, 1)
+    seq.slot = sched.free_slots.pop()
+    sched.running.append(seq)
+    while sched.running:
+        sched.step()

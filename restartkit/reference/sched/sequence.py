@@ -1,0 +1,163 @@
+"""One sequence the scheduler runs: a prompt, how to choose each next token, where its tokens go.
+
+A request of p prompts with n choices each is p x n sequences; the HTTP surface reads their
+events (Event) from one queue and never touches a tensor.  Choosing a token is here too: the
+logits of one row, the sampling parameters, the generator seeded per sequence.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a sequence chooses its next token (temperature 0: greedy), with OpenAI's and vLLM's names.
+    Processed in transformers' order: repetition penalty (prompt and completion) and OpenAI's presence and
+    frequency penalties (completion), EOS held back until min_tokens; then temperature, top_k, top_p, min_p."""
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: all
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy on the model's own logits, ending at its EOS: what speculative decoding computes."""
+        return self.temperature == 0 and not self.penalised and not (
+            self.min_tokens or self.stop_token_ids or self.ignore_eos)
+
+
+@dataclass
+class Event:
+    """What the scheduler tells the reader of a sequence: a token (with its logprob and top logprobs when
+    asked; `eos`: the end-of-sequence token, the last), the end (`finish`: stop or length), or an error."""
+    index: int
+    kind: str  # "token", "done" or "error"
+    token: int = -1
+    logprob: float | None = None
+    top: dict | None = None
+    eos: bool = False
+    finish: str = ""
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt: list[int]
+    sampling: Sampling
+    index: int = 0  # its choice's index in the request
+    events: "queue.SimpleQueue[Event]" = field(default_factory=queue.SimpleQueue)
+    isolated: bool = False  # runs in a batch of its own: the canary, speculative decoding
+    # the scheduler's, below
+    slot: int = -1
+    prefilled: int = 0  # prompt tokens in the KV cache
+    tokens: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    finished: bool = False
+    shared: bool = False  # it ran in a step beside another sequence
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.prompt)
+
+    @property
+    def position(self) -> int:
+        """Where its next decode step writes: the position of its last token."""
+        return len(self.prompt) + len(self.tokens) - 1
+
+    def cancel(self) -> None:
+        """Its reader is gone or has all it wants: the scheduler drops it before its next step."""
+        self.cancelled.set()
+
+    def emit(self, event: Event) -> None:
+        event.index = self.index
+        self.events.put(event)
+
+
+def stops(seq: Sequence, eos_ids) -> frozenset:
+    """The tokens that end `seq` now: its stop_token_ids and (unless ignore_eos) the model's EOS ids; none
+    before min_tokens."""
+    s = seq.sampling
+    if len(seq.tokens) < s.min_tokens:
+        return frozenset()
+    return frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos else frozenset(eos_ids))
+
+
+def choose(seq: Sequence, logits32: torch.Tensor, default_seed: int,
+           eos_ids=frozenset()) -> tuple[int, float | None, dict | None]:
+    """The next token of `seq` from its row of float32 host logits; with its logprob and the k likeliest
+    tokens' when asked (else None), both of the model's own distribution (before any processing)."""
+    s = seq.sampling
+    scores = process(seq, logits32, eos_ids)
+    if s.temperature > 0:
+        if seq.generator is None:
+            seq.generator = torch.Generator().manual_seed(s.seed if s.seed is not None else default_seed)
+        probs = torch.softmax(warp(s, scores / s.temperature), dim=-1)
+        token = int(torch.multinomial(probs, 1, generator=seq.generator))
+    else:
+        token = int(torch.argmax(scores))
+    if not s.logprobs and not s.top_logprobs:
+        return token, None, None
+    logp = torch.log_softmax(logits32, dim=-1)
+    top = None
+    if s.top_logprobs:
+        vals, ids = torch.topk(logp, min(s.top_logprobs, logp.shape[-1]))
+        top = {int(i): float(v) for i, v in zip(ids, vals)}
+    return token, float(logp[token]), top
+
+
+def process(seq: Sequence, logits32: torch.Tensor, eos_ids) -> torch.Tensor:
+    """Penalties and min_tokens on one row of logits (a new tensor where anything applies)."""
+    s = seq.sampling
+    held = len(seq.tokens) < s.min_tokens and (s.stop_token_ids or (eos_ids and not s.ignore_eos))
+    if not s.penalised and not held:
+        return logits32
+    scores = logits32.clone()
+    if s.repetition_penalty != 1.0:  # transformers' RepetitionPenaltyLogitsProcessor, over prompt and completion
+        seen = torch.tensor(sorted(set(seq.prompt) | set(seq.tokens)), dtype=torch.long)
+        picked = scores[seen]
+        scores[seen] = torch.where(picked < 0, picked * s.repetition_penalty, picked / s.repetition_penalty)
+    if (s.presence_penalty or s.frequency_penalty) and seq.tokens:  # OpenAI's, over the completion
+        ids, counts = torch.tensor(seq.tokens, dtype=torch.long).unique(return_counts=True)
+        scores[ids] -= s.frequency_penalty * counts.float() + s.presence_penalty
+    if held:  # transformers' MinNewTokensLengthLogitsProcessor: no end before min_tokens
+        ends = list(s.stop_token_ids) + ([] if s.ignore_eos else list(eos_ids))
+        scores[torch.tensor(ends, dtype=torch.long)] = float("-inf")
+    return scores
+
+
+def warp(s: Sampling, scores: torch.Tensor) -> torch.Tensor:
+    """top_k, top_p, min_p on temperature-scaled scores, as transformers' warpers (each keeps at least one)."""
+    filtered = float("-inf")
+    if s.top_k > 0 and s.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, s.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, filtered)
+    if s.top_p < 1.0:
+        ordered, idx = torch.sort(scores, descending=False)
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - s.top_p)
+        remove[-1] = False
+        scores = scores.masked_fill(remove.scatter(0, idx, remove), filtered)
+    if s.min_p > 0.0:
+        probs = torch.softmax(scores, dim=-1)
+        remove = probs < s.min_p * probs.max()
+        scores = scores.masked_fill(remove, filtered)
+    return scores
