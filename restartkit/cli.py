@@ -458,11 +458,17 @@ def standby_arm(policy_path, wait_s, as_json):
 @state_dir_option
 @friendly
 def standby_status(policy_path, as_json):
-    """The standby engine, if one is armed: PID, state, memory."""
-    from restartkit.commands.standby import state
-    st = state(load(policy_path))
-    emit(st or {}, as_json, "no standby" if st is None else f"standby PID {st['pid']}: {st['state']}")
-    sys.exit(0 if st and st["state"] == "prepared" else 1)
+    """The standby engine, if one is armed: PID, state, memory, and whether it can be promoted (exit 0 only then)."""
+    from restartkit.commands.standby import frozen, stale, state
+    svc = load(policy_path)
+    st = state(svc)
+    if st is not None and st["state"] == "prepared":
+        st["why_not_promotable"] = frozen(st) or stale(svc, st)
+        st["promotable"] = st["why_not_promotable"] is None
+    text = "no standby" if st is None else f"standby PID {st['pid']}: {st['state']}" + (
+        f" (cannot be promoted: {st['why_not_promotable']})" if st.get("why_not_promotable") else "")
+    emit(st or {}, as_json, text)
+    sys.exit(0 if st and st.get("promotable") else 1)
 
 
 @standby.command("disarm")

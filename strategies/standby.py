@@ -46,7 +46,7 @@ def armed(facts: Facts, policy) -> str | None:
         return f"the standby (PID {rec['pid']}) is gone"
     if rec["state"] != "prepared":
         return f"the standby (PID {rec['pid']}) is {rec['state']}, not prepared yet"
-    return sb.get("stale")
+    return sb.get("frozen") or sb.get("stale")
 
 
 class StandbyStrategy(BaseStrategy):
@@ -54,9 +54,11 @@ class StandbyStrategy(BaseStrategy):
     prerequisites = [adapter_available, model_loadable, enabled, engine_can_stand_by, reason_fits, armed]
 
     def gather(self, service, facts: Facts) -> dict:
-        from restartkit.commands.standby import stale, state
+        from restartkit.commands.standby import frozen, stale, state
         rec = state(service)
-        return {"standby": rec, "stale": stale(service, rec) if rec and rec["alive"] else None}
+        live = rec is not None and rec["alive"]
+        return {"standby": rec, "stale": stale(service, rec) if live else None,
+                "frozen": frozen(rec) if live and rec["state"] == "prepared" else None}
 
     def execute(self, service, facts: Facts, plan: Plan) -> Outcome:
         from restartkit.commands.standby import process

@@ -5,11 +5,13 @@ promoted, with the reason; `stop` takes it down too."""
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
 
 from tests.conftest import prom_sample, run_cli
+from restartkit.process.procfs import exited
 from tests.helpers import engines_on, gone, ipc_policy, start_preload
 
 pytestmark = pytest.mark.slow
@@ -51,6 +53,18 @@ def answering(policy, n: int = 6) -> set[int]:
 
 def standby(policy) -> dict | None:
     return json.loads(run_cli("status", "--policy", policy, "--json").stdout)["standby"]
+
+
+def stop_when(condition, pid: int) -> threading.Thread:
+    """SIGSTOP `pid` the moment `condition()` holds (checked every millisecond, in a thread)."""
+    def watch():
+        end = time.monotonic() + 60
+        while not condition() and time.monotonic() < end:
+            time.sleep(0.001)
+        os.kill(pid, signal.SIGSTOP)
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
 
 
 def wait_for(what, timeout=60):
@@ -165,6 +179,36 @@ def test_a_dead_standby_or_a_reason_it_cannot_serve_is_never_promoted(make_polic
     assert rec["served_by"] == "cold" and rec["via_recovery"] and "is gone" in rec["recovery_reason"], rec
 
 
+def test_a_frozen_standby_is_never_promoted(make_policy, sockdir, preloads, service_cleanup):
+    """A standby alive but stopped (SIGSTOP) would hang its promotion for promote_timeout_s with the old engine
+    already gone: plan calls it frozen, and a restart is served by another strategy while the old engine serves."""
+    policy = policy_with_standby(make_policy, sockdir)
+    policy.write_text(policy.read_text() + "promote_timeout_s = 30\n")
+    service_cleanup(policy)
+    start_preload(policy, preloads)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    assert run_cli("standby", "arm", "--policy", policy).returncode == 0
+    pid = standby(policy)["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        plan = json.loads(run_cli("plan", "--policy", policy, "--json").stdout)
+        why = {v["strategy"]: " ".join(v["reasons"]) for v in plan["strategies"]}
+        assert f"the standby (PID {pid}) is frozen" in why["standby"] and plan["attempt"] != "standby", why
+        t0 = time.monotonic()
+        r = run_cli("restart", "--policy", policy, "--json")
+        took = time.monotonic() - t0
+        rec = json.loads(r.stdout)
+        assert r.returncode == 0 and rec["served_by"] not in ("standby", None), rec
+        assert rec["proof"]["canary_identical"] is True and took < 20, (took, rec)
+        assert standby(policy)["pid"] == pid  # still there, never promoted
+        shown = run_cli("standby", "status", "--policy", policy, "--json")
+        assert shown.returncode == 1 and "is frozen" in json.loads(shown.stdout)["why_not_promotable"]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    shown = run_cli("standby", "status", "--policy", policy, "--json")
+    assert shown.returncode == 0 and json.loads(shown.stdout)["promotable"] is True
+
+
 def test_the_weight_cache_killed_under_an_armed_standby_is_no_outage(make_policy, sockdir, preloads, service_cleanup):
     """The standby maps its weights from the cache: killed, the cache leaves the mapping in place (memfd on
     the CPU), so the promotion still serves, proven by the canary; whatever serves, the service serves."""
@@ -239,13 +283,17 @@ def test_restartkit_killed_during_a_promotion_is_reconciled_by_the_next_command(
     from tests.conftest import ROOT
     policy = serving_and_armed(make_policy, sockdir, preloads, service_cleanup, "never")
     sb = standby(policy)["pid"]
-    os.kill(sb, signal.SIGSTOP)
+    old = json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]
     intent = policy.parent / "state" / "svc" / "intent.json"
+    # stopped once the old engine is gone: after the restart found the standby alive, before it activates
+    freezer = stop_when(lambda: exited(old), sb)
     p = subprocess.Popen([sys.executable, "-m", "restartkit.cli", "restart", "--policy", str(policy), "--strategy",
                           "standby"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_for(lambda: intent.exists() and "standby" in intent.read_text())
+        freezer.join(30)
         time.sleep(1.0)  # the old engine stopped; the promotion waits for the stopped standby
+        assert "standby" in intent.read_text() and p.poll() is None  # still promoting
         p.kill()
         p.wait(10)
     finally:
@@ -309,11 +357,13 @@ def test_supervise_killed_during_a_crash_promotion_is_reconciled_by_the_next_com
     sb = wait_for(lambda: (st := standby(policy)) and st["state"] == "prepared" and st)["pid"]
     engine = s.status()["pid"]
     intent = policy.parent / "state" / "svc" / "intent.json"
-    os.kill(sb, signal.SIGSTOP)
+    # stopped once supervise's promotion began (it found the standby alive), before it activates
+    freezer = stop_when(lambda: intent.exists() and "standby" in intent.read_text(), sb)
     try:
         os.kill(engine, signal.SIGKILL)
-        wait_for(lambda: intent.exists() and "standby" in intent.read_text())
+        freezer.join(60)
         time.sleep(0.5)
+        assert "standby" in intent.read_text()  # still promoting
         os.kill(s.proc.pid, signal.SIGKILL)  # supervise only: its engines are the next command's to sort out
         s.proc.wait(10)
     finally:

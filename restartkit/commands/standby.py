@@ -188,6 +188,29 @@ def state(service) -> dict | None:
     return rec
 
 
+# how long an armed standby may take to answer /health on its private port before it counts as frozen
+LIVENESS_TIMEOUT_S = 1.0
+
+
+def frozen(rec: dict, probe: bool = True) -> str | None:
+    """Why an armed standby that is alive would not answer if promoted now (None: it answers): a process of
+    its tree stopped (SIGSTOP), or (`probe`) its private port silent for LIVENESS_TIMEOUT_S."""
+    from restartkit import http
+    from restartkit.process.procfs import stopped_in
+    if (pid := stopped_in(rec["pid"])) is not None:
+        return (f"the standby (PID {rec['pid']}) is frozen: PID {pid} is stopped (state T; SIGCONT resumes it, or "
+                "`restartkit standby disarm`)")
+    if not probe or not rec.get("admin_port"):
+        return None
+    try:
+        http.get(f"http://127.0.0.1:{rec['admin_port']}/health", timeout=LIVENESS_TIMEOUT_S)
+    except http.HTTPFailure as e:
+        if e.status is None:  # no answer at all; any HTTP status (503: not activated yet) is an answer
+            return (f"the standby (PID {rec['pid']}) did not answer /health on its private port "
+                    f"{rec['admin_port']} within {LIVENESS_TIMEOUT_S:g} s: {e.message}")
+    return None
+
+
 def process(service, rec: dict) -> EngineProcess:
     return EngineProcess(pid=rec["pid"], create_time=rec.get("create_time"), start_ticks=rec.get("start_ticks"),
                          log_path=service.engine.log_path, seam=service.seam)

@@ -427,7 +427,7 @@ class Supervisor:
         """[standby] enabled: keep one armed.  One that is gone, failed or stale is replaced (not more
         than every few seconds: one that keeps failing does not take the engine's CPUs); the time the
         service was without a prepared standby is measured (`rearm_s`)."""
-        from restartkit.commands.standby import arm, consumed, disarm, stale, state
+        from restartkit.commands.standby import arm, consumed, disarm, frozen, stale, state
         from restartkit.commands.standby import cannot_stand_by
         svc, sb = self.service, self.standby
         if not svc.policy.standby["enabled"] or svc.engine.degraded:
@@ -447,9 +447,10 @@ class Supervisor:
                 self._standby_metric(True, sb["rearm_s"][-1])
             if rec.get("engine_state") == "active" and rec.get("kv_ahead") and not rec.get("canary"):
                 self._canary_ahead()
-            if rec["state"] != "prepared" or not (why := stale(svc, rec)):
+            # a stopped one (not probed here: a silent port would cost this loop a second a turn) or a stale one
+            if rec["state"] != "prepared" or not (why := frozen(rec, probe=False) or stale(svc, rec)):
                 return
-            self.say(f"{svc.policy.name}: standby PID {rec['pid']} is stale ({why}); replacing it")
+            self.say(f"{svc.policy.name}: standby PID {rec['pid']} cannot be promoted ({why}); replacing it")
         if sb["since"] is None:
             sb["since"], sb["armed"] = time.monotonic(), None
             self._standby_metric(False)
@@ -459,7 +460,7 @@ class Supervisor:
         try:
             with guarded(svc, "supervise standby", 0.0, lambda _m: None, defer_signals=False):
                 if rec is not None and rec["alive"]:
-                    disarm(svc)
+                    disarm(svc, timeout_s=0.5 if frozen(rec, probe=False) else 10.0)  # a stopped one ignores SIGTERM
                 elif rec is not None:
                     consumed(svc)
                 arm(svc)

@@ -78,6 +78,15 @@ def proc_state(pid: int) -> str | None:
     return _stat_field(pid, 3)
 
 
+def stopped_in(pid: int) -> int | None:
+    """A process of the tree rooted at `pid` that is stopped (state T: SIGSTOP, SIGTSTP; t: a debugger), or None.
+    A stopped process answers nothing until continued: nothing may depend on it."""
+    for p in tree_pids(pid):
+        if proc_state(p) in ("T", "t"):
+            return p
+    return None
+
+
 def exited(pid: int) -> bool:
     """Gone, or a zombie whose threads have all exited too: a killed process's leader turns
     zombie first, and its files (its listening socket) close only when its last thread exits."""
