@@ -3,11 +3,15 @@
   GET  /health            200 only after a real forward pass ran; 503 before
   GET  /v1/models
   POST /v1/completions    text or token-id prompt (or a list of them), max_tokens, temperature, seed,
-                          n, stop, logprobs (0..5), echo, stream; each choice also carries token_ids
+                          n, stop, logprobs (0..5), echo, stream, top_p, top_k, min_p, the penalties,
+                          stop_token_ids, ignore_eos, min_tokens; each choice also carries token_ids
   POST /v1/chat/completions   messages through the tokenizer's chat template; logprobs, top_logprobs,
-                          max_completion_tokens, n, stop, stream.  Any other field is a 400 naming it
-                          (restartkit.reference.serving.completions); a 503 says Retry-After
-  GET  /admin/stats       init phases and their times, load source, memory
+                          max_completion_tokens, n, stop, stream and the sampling fields.  Any other field is a
+                          400 naming it (restartkit.reference.serving.completions); a 503 says Retry-After.
+                          Served through the scheduler (restartkit.reference.sched): serving_completions.py
+  POST /tokenize, /detokenize; GET /version, /metrics   utility_routes.py
+  With --api-key: /v1/*, /tokenize and /detokenize want Authorization: Bearer <key> (401)
+  GET  /admin/stats       init phases and their times, load source, memory, the scheduler's counts
   POST /admin/drop_kv_cache   free the KV cache (before a snapshot)
   POST /admin/restore_kv_cache
   POST /admin/release_weights   let go of the weights mapped from the weight cache, and the KV cache

@@ -311,7 +311,7 @@ def _bounded(pieces, limit_s: float, max_chars: int) -> str:
 # ---- text, token by token ------------------------------------------------------------------
 
 class TextSoFar:
-    """The completion's text as its tokens come (the engine's on_token): what may be sent already
+    """The completion's text as its tokens come (each token the scheduler sends): what may be sent already
     (not a byte of a character still incomplete, not what may turn out to start a stop string), and
     where a stop string ends it (OpenAI leaves the stop string out of the text).  `send(piece)`: the
     piece covers the tokens seen so far (their logprobs go with it)."""
