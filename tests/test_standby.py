@@ -209,6 +209,20 @@ def test_a_frozen_standby_is_never_promoted(make_policy, sockdir, preloads, serv
     assert shown.returncode == 0 and json.loads(shown.stdout)["promotable"] is True
 
 
+def test_supervise_replaces_a_frozen_standby(supervised, make_policy, sockdir, preloads):
+    """supervise keeps a standby that can be promoted: a stopped one is killed and another armed, while the
+    engine serves on."""
+    policy = policy_with_standby(make_policy, sockdir)
+    start_preload(policy, preloads)
+    s = supervised(policy)
+    sb = wait_for(lambda: (st := standby(policy)) and st["state"] == "prepared" and st)["pid"]
+    engine = s.status()["pid"]
+    os.kill(sb, signal.SIGSTOP)
+    new = wait_for(lambda: (st := standby(policy)) and st["pid"] != sb and st["state"] == "prepared" and st)
+    wait_for(lambda: gone(sb), 15)
+    assert s.status()["pid"] == engine and new["pid"] != engine
+
+
 def test_the_weight_cache_killed_under_an_armed_standby_is_no_outage(make_policy, sockdir, preloads, service_cleanup):
     """The standby maps its weights from the cache: killed, the cache leaves the mapping in place (memfd on
     the CPU), so the promotion still serves, proven by the canary; whatever serves, the service serves."""
