@@ -800,9 +800,12 @@ def model_create(preset, out, seed, dtype, device):
     import os
     from restartkit.errors import UsageError
     from restartkit.reference.model.checkpoint import write_checkpoint
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        raise UsageError(f"--out {out}: its parent directory {parent} does not exist", hint=f"mkdir -p {parent}")
+    parent = os.path.dirname(os.path.abspath(os.path.expanduser(out)))
+    try:
+        os.makedirs(parent, exist_ok=True)  # as `mkdir -p` would
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot make its parent directory {parent}: {e.strerror or e}",
+                         hint="pick an --out under a directory you can write") from None
     if device == "cuda":
         import torch
         if not torch.cuda.is_available():

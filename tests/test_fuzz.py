@@ -188,7 +188,7 @@ BAD_COMMAND_LINES = [
     ("preload", "--policy", "{policy}", "--tensor-parallel-size", "0"),
     ("preload", "--policy", "{policy}", "--tensor-parallel-size", "-2"),
     ("preload", "--policy", "{policy}", "--nnodes", "0"),
-    ("model", "create", "--out", "/nonexistent/dir/model"),
+    ("model", "create", "--out", "/etc/passwd/dir/model"),  # a file where a parent directory should be
     ("model", "create", "--out", "{tmp}/m", "--device", "tpu"),
     ("engine", "serve", "--model", "{tmp}", "--port", "70000"),
     ("snapshot", "refresh", "--policy", "{policy}", "--install-timer", "--unit-dir", "/nonexistent/units"),

@@ -115,3 +115,11 @@ def test_forward_matches_the_textbook_llama(tiny_model):
         for i in range(5, len(seq)):
             row = eng.model(torch.tensor([seq[i]]), torch.tensor([i]))[0]
     assert torch.allclose(row, want[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_model_create_makes_the_parent_directories(tmp_path):
+    from tests.conftest import run_cli
+    out = tmp_path / "a" / "b" / "tiny"
+    r = run_cli("model", "create", "--preset", "tiny", "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert (out / "config.json").exists() and not list(out.parent.glob("*.partial-*"))
