@@ -121,7 +121,12 @@ def policy():
 @friendly
 def policy_check(file, as_json):
     """Check a policy file; print it with every default filled in, and warn about every strategy it asks
-    for that its other keys rule out (naming the key to change)."""
+    for that its other keys rule out (naming the key to change).
+
+    \b
+    Examples:
+      restartkit policy check llm.toml
+      restartkit policy check llm.toml --json | jq .service"""
     from restartkit.commands.combinations import warnings
     from restartkit.policy import load_policy
     p = load_policy(file)
@@ -255,7 +260,12 @@ def stop(policy_path, wait_s, as_json):
 @state_dir_option
 @friendly
 def status(policy_path, as_json):
-    """Is the engine running, and does it answer a real completion?"""
+    """Is the engine running, and does it answer a real completion?
+
+    \b
+    Examples:
+      restartkit status --policy llm.toml
+      restartkit status --policy llm.toml --json | jq .serving"""
     from restartkit.record import read_history
     svc = load(policy_path)
     _reconcile_if_free(svc)
@@ -601,7 +611,12 @@ def _require_snapshot_prereqs(svc, facts):
 @state_dir_option
 @friendly
 def snapshot_create(policy_path, stop_engine, wait_s, as_json):
-    """Snapshot the running engine (KV cache dropped first, put back after)."""
+    """Snapshot the running engine (KV cache dropped first, put back after).
+
+    \b
+    Examples:
+      restartkit snapshot create --policy llm.toml
+      restartkit snapshot create --policy llm.toml --json   # its size, how long the engine was paused"""
     from restartkit.snapshot.ops import create, snapshot_metrics, store_for
     svc = load(policy_path)
     with guarded(svc, "snapshot create", wait_s, extra_dirs=((store_for(svc).root, "snapshot images dir"),)):
@@ -858,7 +873,12 @@ def audit(path, engine, since, until, as_json):
 @state_dir_option
 @friendly
 def bench(policy_path, strategies, repeat, out, clients, wait_s, as_json):
-    """Restart the same service with each strategy N times; compare time to ready."""
+    """Restart the same service with each strategy N times; compare time to ready.
+
+    \b
+    Examples:
+      restartkit bench --policy llm.toml --strategies cold,ipc,criu --repeat 3 --out bench/
+      restartkit bench --policy llm.toml --strategies standby,cold --clients 4   # what clients see meanwhile"""
     from restartkit.commands.bench import render_bench, run_bench
     from restartkit.errors import UsageError
     from restartkit.contracts import STRATEGY_NAMES as STRATEGIES
