@@ -297,15 +297,17 @@ def write_snapshot_metrics(state_dir: Path, service: str, store, refresh: str | 
     test, suspect snapshots, and the last refresh's outcome (`refresh`: ok, failed, or None to keep
     the last one), for alerts on a fleet whose snapshots are refreshed by cron or a timer."""
     last_path = store.root / ".last-refresh.json"
-    if refresh is not None:
-        store.ensure()
-        tmp = last_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"outcome": refresh, "at": time.time()}))
-        os.replace(tmp, last_path)
     try:
         last = json.loads(last_path.read_text())
     except (OSError, ValueError):
         last = None
+    if refresh is not None:
+        store.ensure()
+        now, before = time.time(), (last or {}).get("success_at") if isinstance(last, dict) else None
+        last = {"outcome": refresh, "at": now, "success_at": now if refresh == "ok" else before}
+        tmp = last_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(last))
+        os.replace(tmp, last_path)
     cur = store.current()
     snaps = store.list()
     cur = None if cur is not None and cur.damaged else cur
@@ -331,6 +333,9 @@ def write_snapshot_metrics(state_dir: Path, service: str, store, refresh: str | 
                     [], {(): 1 if last["outcome"] == "ok" else 0}, service),
             _family("gauge", "restartkit_snapshot_refresh_timestamp_seconds", "When the last snapshot refresh ended.",
                     [], {(): last["at"]}, service)]
+        if last.get("success_at"):  # the one alert a cron job needs: time() - this > the schedule's period
+            families.append(_family("gauge", "restartkit_snapshot_refresh_last_success_timestamp_seconds",
+                                    "When a snapshot refresh last succeeded.", [], {(): last["success_at"]}, service))
     state_dir.mkdir(parents=True, exist_ok=True)
     prom = prom or state_dir / "snapshot.prom"
     write_textfile(prom, families)

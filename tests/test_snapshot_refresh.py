@@ -46,6 +46,8 @@ def test_refresh_with_test_restore_switches_only_after_a_pass(served, tmp_path):
     assert prom_value(prom, "restartkit_snapshot_refresh_ok") == 1
     assert prom_value(prom, "restartkit_snapshot_current_test_passed") == 1
     assert prom_value(prom, "restartkit_snapshot_suspect") == 0
+    succeeded = prom_value(prom, "restartkit_snapshot_refresh_last_success_timestamp_seconds")
+    assert abs(succeeded - prom_value(prom, "restartkit_snapshot_refresh_timestamp_seconds")) < 1e-6
     # a CRIU that dumps but cannot restore (injected): the new snapshot fails its test and never becomes current
     wrapper = tmp_path / "criu"
     wrapper.write_text(f'#!/bin/sh\nif [ "$1" = restore ]; then echo "injected: no restore" >&2; exit 1; fi\n'
@@ -60,6 +62,8 @@ def test_refresh_with_test_restore_switches_only_after_a_pass(served, tmp_path):
     # for the fleet's alerts: the refresh failed, one snapshot is suspect, the current one still passed its test
     assert prom_value(prom, "restartkit_snapshot_refresh_ok") == 0
     assert prom_value(prom, "restartkit_snapshot_suspect") == 1
+    assert prom_value(prom, "restartkit_snapshot_refresh_last_success_timestamp_seconds") == succeeded  # the ok one
+    assert prom_value(prom, "restartkit_snapshot_refresh_timestamp_seconds") > succeeded
     assert prom_value(prom, "restartkit_snapshot_current_test_passed") == 1
     assert json.loads(run_cli("status", "--policy", policy, "--json").stdout)["serving"]
 
