@@ -51,6 +51,7 @@ def test_the_demo_runs_end_to_end(tmp_path):
     assert "served by standby" in crash and " 0 connections refused, 0 HTTP 5xx" in crash, crash
     # the state went where the caller said (--state-dir / RESTARTKIT_STATE_DIR), not into the workdir
     assert (tmp_path / "s" / "demo" / "history.jsonl").exists() and not (tmp_path / "demo" / "state").exists()
+    assert (tmp_path / "s" / "demo" / "snapshot.prom").exists()  # written whether or not a snapshot could be taken
     status = json.loads(run_cli("status", "--policy", tmp_path / "demo" / "demo.toml", "--json",
                                 env={"RESTARTKIT_STATE_DIR": str(tmp_path / "s")}).stdout)
     assert not status["serving"]

@@ -121,7 +121,11 @@ def run_demo(workdir: str = DEFAULT_WORKDIR, repeat: int = 2, say: Callable[[str
     start_weight_cache(svc.policy, say)
 
     say(f"\n== restartkit snapshot create --policy {policy_path}   (for criu)")
-    _try_snapshot(svc, say)
+    from restartkit.snapshot.ops import snapshot_metrics
+    try:
+        _try_snapshot(svc, say)
+    finally:
+        snapshot_metrics(svc)  # snapshot.prom, as `restartkit snapshot create` and `snapshot test` write it
 
     say("\n== restartkit plan --strategy auto")
     plan, _ = plan_for(svc, "auto", "restart")
