@@ -272,9 +272,12 @@ def write_restart_metrics(state_dir: Path, svc: str, prom: Path | None = None) -
         hist,
         _family("gauge", "restartkit_last_time_to_ready_seconds", "Time to ready of the last restart served by each "
                 "strategy.", ["strategy"], {(k,): v for k, v in c["time_to_ready"].items()}, svc),
-        _family("gauge", "restartkit_downtime_seconds", "Longest gap between answered client requests during the last "
-                "restart served by each strategy (measured when the restart measures downtime, always when overlapped).",
-                ["strategy"], {(k,): v for k, v in c.get("downtime", {}).items()}, svc),
+        _family("gauge", "restartkit_last_downtime_seconds", "Longest gap between answered client requests during "
+                "the last restart served by each strategy (measured when the restart measures downtime, always when "
+                "overlapped).", ["strategy"], {(k,): v for k, v in c.get("downtime", {}).items()}, svc),
+        # the same under its old name, without the last_ of its neighbours: kept for 0.4 only (README, "Metrics")
+        _family("gauge", "restartkit_downtime_seconds", "Deprecated: restartkit_last_downtime_seconds; removed after "
+                "0.4.", ["strategy"], {(k,): v for k, v in c.get("downtime", {}).items()}, svc),
     ]
     if sb := c.get("standby"):
         families.append(_family("gauge", "restartkit_standby_armed", "1 while a prepared standby engine is armed.",

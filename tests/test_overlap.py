@@ -138,7 +138,8 @@ def test_prestarted_restart_activates_after_the_old_engine_stopped(overlap_servi
     assert ph["stop_old"] <= ph["stop_to_ready"] < a["engine_phases"]["ready_since_spawn"]
     assert "early_warmup" in a["engine_phases"]  # the first forward pass ran before the old engine stopped
     prom = (policy.parent / "state" / "svc" / "metrics.prom").read_text()
-    assert f'restartkit_downtime_seconds{{service="svc",strategy="ipc"}} {rec["downtime"]["downtime_s"]}' in prom
+    assert f'restartkit_last_downtime_seconds{{service="svc",strategy="ipc"}} {rec["downtime"]["downtime_s"]}' in prom
+    assert f'restartkit_downtime_seconds{{service="svc",strategy="ipc"}} {rec["downtime"]["downtime_s"]}' in prom  # old
     assert rec["downtime"]["downtime_s"] is not None and rec["downtime"]["downtime_s"] < a["engine_phases"]["ready_since_spawn"]
     status = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
     assert status["serving"] and status["pid"] == a["proof"]["new_pid"] != old_pid
