@@ -296,8 +296,27 @@ def status(policy_path, as_json):
     if sb:
         text += f"\nstandby: PID {sb['pid']}, {sb['state']}" + (
             f" ({sb['rss_bytes'] / 1e6:.0f} MB resident)" if sb.get("rss_bytes") else "")
+    if not ready:
+        data["next"] = _bring_back(svc, proc, sup)
+        text += f"\nnext: {data['next']}"
     emit(data, as_json, text)
     sys.exit(EXIT_SERVING if ready else EXIT_NOT_SERVING)
+
+
+def _bring_back(svc, proc, sup) -> str:
+    """The command that brings a service that does not serve back (status says it; it runs nothing itself)."""
+    policy = svc.policy.path
+    if sup and sup.get("pid") and _alive(sup["pid"]):
+        return f"supervise (PID {sup['pid']}) brings it back by itself"
+    if proc is not None:
+        return f"restartkit restart --policy {policy} (it runs but does not answer)"
+    return (f"restartkit start --policy {policy}, or restartkit supervise --policy {policy} to keep it serving "
+            "across crashes")
+
+
+def _alive(pid: int) -> bool:
+    from restartkit.process.procfs import exited
+    return not exited(pid)
 
 
 @main.command()

@@ -255,3 +255,18 @@ def test_a_restart_after_the_weights_changed_on_disk_serves_them_and_says_so(mak
     assert rec["proof"].get("canary_identical") is None  # not compared: new weights answer otherwise
     again = json.loads(run_cli("restart", "--policy", policy, "--json").stdout)  # the engine now serves what is on disk
     assert again["proof"]["canary_identical"] is True and not any("weights on disk" in n for n in again["plan"]["notes"])
+
+
+def test_status_after_a_crash_names_the_command_that_brings_it_back(make_policy, service_cleanup):
+    import os
+    import signal
+    policy = make_policy()
+    service_cleanup(policy)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    pid = json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    r = run_cli("status", "--policy", policy, "--json")
+    st = json.loads(r.stdout)
+    assert r.returncode != 0 and not st["serving"]
+    assert st["next"].startswith(f"restartkit start --policy {policy}")
+    assert json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"] is None  # status started nothing
