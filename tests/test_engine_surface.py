@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -75,11 +76,24 @@ def test_tokenize_detokenize_and_version(keyed):
     assert call(keyed, "/version")["version"]
 
 
+def settled_metrics(port) -> str:
+    """/metrics once it holds every request answered so far: a request is counted just after its last byte
+    went out, so a client can read its answer a moment before the count moves."""
+    text = call(port, "/metrics")
+    for _ in range(100):
+        time.sleep(0.02)
+        again = call(port, "/metrics")
+        if again == text:
+            return text
+        text = again
+    return text
+
+
 def test_metrics_pass_promtool_and_count_what_was_answered(keyed, tmp_path):
-    before = call(keyed, "/metrics")
+    before = settled_metrics(keyed)
     call(keyed, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 5, "temperature": 0}, KEY)
     status(keyed, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": -1}, KEY)
-    after = call(keyed, "/metrics")
+    after = settled_metrics(keyed)
     (tmp_path / "m.prom").write_text(after)
     promtool_check(tmp_path / "m.prom")
 
