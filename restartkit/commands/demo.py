@@ -121,11 +121,7 @@ def run_demo(workdir: str = DEFAULT_WORKDIR, repeat: int = 2, say: Callable[[str
     start_weight_cache(svc.policy, say)
 
     say(f"\n== restartkit snapshot create --policy {policy_path}   (for criu)")
-    from restartkit.snapshot.ops import snapshot_metrics
-    try:
-        _try_snapshot(svc, say)
-    finally:
-        snapshot_metrics(svc)  # snapshot.prom, as `restartkit snapshot create` and `snapshot test` write it
+    _try_snapshot(svc, say)
 
     say("\n== restartkit plan --strategy auto")
     plan, _ = plan_for(svc, "auto", "restart")
@@ -228,6 +224,14 @@ def _wait(what, timeout_s: float, sup):
 
 
 def _try_snapshot(svc, say) -> None:
+    from restartkit.snapshot.ops import snapshot_metrics
+    try:
+        _snapshot_and_test(svc, say)
+    finally:
+        snapshot_metrics(svc)  # snapshot.prom, as `restartkit snapshot create` and `snapshot test` write it
+
+
+def _snapshot_and_test(svc, say) -> None:
     from restartkit.restart import gather_facts, snapshot_problems
     from restartkit.snapshot.ops import create
     facts = gather_facts(svc, "restart")
