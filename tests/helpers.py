@@ -301,3 +301,13 @@ def promtool_check(path: Path) -> None:
         pytest.skip("no promtool (scripts/install-tools puts one in /opt/restartkit/tools/bin)")
     r = subprocess.run([exe, "check", "metrics"], input=path.read_text(), capture_output=True, text=True)
     assert r.returncode == 0, f"promtool check metrics {path}: {r.stdout}{r.stderr}"
+
+
+def wait_for(what, timeout: float = 60, every: float = 0.2):
+    """`what()`'s first truthy answer, asked every `every` s; an AssertionError after `timeout` s."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if got := what():
+            return got
+        time.sleep(every)
+    raise AssertionError(f"not within {timeout} s")

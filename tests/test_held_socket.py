@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+import tests.helpers as helpers
+
 from restartkit.clients import ClientLoad, summarize
 from restartkit.process.procfs import port_has_listener
 from tests.conftest import RESTARTKIT, ROOT, run_cli
@@ -31,12 +33,7 @@ def status(policy) -> dict:
 
 
 def wait_for(what, timeout=90):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if got := what():
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout} s")
+    return helpers.wait_for(what, timeout, every=0.1)
 
 
 def armed_other_than(policy, pids) -> int:

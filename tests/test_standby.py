@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+import tests.helpers as helpers
+
 from tests.conftest import prom_sample, run_cli
 from restartkit.process.procfs import exited
 from tests.helpers import engines_on, gone, ipc_policy, start_preload
@@ -68,12 +70,7 @@ def stop_when(condition, pid: int) -> threading.Thread:
 
 
 def wait_for(what, timeout=60):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if got := what():
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout} s")
+    return helpers.wait_for(what, timeout, every=0.2)
 
 
 def serving_and_armed(make_policy, sockdir, preloads, service_cleanup, kv_ahead: str):

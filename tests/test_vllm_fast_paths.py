@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+import tests.helpers as helpers
+
 from restartkit.clients import ClientLoad, summarize
 from tests.conftest import run_cli
 from tests.helpers import START_S, SUPERVISE_FAST, cache_policy, cli_json, needs_vllm, shm_left, start_preload, strategy
@@ -16,12 +18,7 @@ from tests.helpers import START_S, SUPERVISE_FAST, cache_policy, cli_json, needs
 pytestmark = [pytest.mark.slow, needs_vllm]
 
 def wait_for(what, timeout=START_S):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if got := what():
-            return got
-        time.sleep(0.5)
-    raise AssertionError(f"not within {timeout} s")
+    return helpers.wait_for(what, timeout, every=0.5)
 
 
 def status(policy) -> dict:
