@@ -169,6 +169,39 @@ def test_a_full_queue_is_a_503_with_retry_after(engine):
     assert len(greedy(engine, 4)) == 4
 
 
+def admin(port, path) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/admin/{path}", b"{}", method="POST")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def test_requests_that_meet_a_kv_cache_let_go_for_a_snapshot_wait_for_it(engine):
+    """Before a dump the KV cache is let go.  The requests running then finish first; the ones waiting for
+    a slot, and the ones that arrive while it is gone, wait for it to come back and are answered (a 503
+    for each was what a client saw under load in a `snapshot create` beside supervise)."""
+    want = greedy(engine, 16)
+    results = []
+
+    def ask():
+        try:
+            results.append(greedy(engine, 16))
+        except urllib.error.HTTPError as e:
+            results.append(f"HTTP {e.code}: {e.read()[:200]!r}")
+
+    threads = [threading.Thread(target=ask) for _ in range(12)]  # 8 slots: some of them wait for one
+    for t in threads:
+        t.start()
+    admin(engine, "drop_kv_cache")
+    late = threading.Thread(target=ask)  # arrives while the KV cache is gone
+    late.start()
+    time.sleep(0.5)
+    assert len(results) <= 12, results  # the late one cannot be answered without a KV cache
+    admin(engine, "restore_kv_cache")
+    for t in threads + [late]:
+        t.join(120)
+    assert results == [want] * 13, results
+
+
 def test_every_strategy_keeps_its_canary_under_four_clients(make_policy, sockdir, preloads, service_cleanup):
     """`restartkit bench --clients 4`: cold, ipc, standby and sleep restarts while four clients send greedy
     completions; each restart's canary (run in a batch of its own) is the one taken before it, and every

@@ -19,12 +19,14 @@ release) goes through `exclusive()`: no sequence joins, the running ones finish,
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from contextlib import contextmanager
 
 from restartkit.reference.sched.sequence import Event, Sequence, choose, stops
 
 PREFILL_CHUNK = 512  # prompt tokens per prefill step
+HOLD_S = 30.0  # how long waiting sequences wait for weights or a KV cache let go (a snapshot, sleep)
 
 
 class Overloaded(RuntimeError):
@@ -44,6 +46,7 @@ class Scheduler:
         self.free_slots = list(range(max_num_seqs))
         self.cond = threading.Condition()
         self.paused = 0  # exclusive() holders waiting or working
+        self.unservable_since: float | None = None  # since when the waiting sequences wait for the engine
         self.stopped = False
         # isolated: sequences that ran in a batch of their own to the end; shared_isolated: ones that did not
         self.counts = {"steps": 0, "decode_rows": 0, "prefill_tokens": 0, "finished": 0, "cancelled": 0,
@@ -107,11 +110,14 @@ class Scheduler:
         """Wait until there is something to run; False once stopped."""
         with self.cond:
             while not self.stopped and not self._admit() and not self.running:
-                self.cond.wait()
+                # waiting for an engine that let go of its weights: look again (it says nothing when they are back)
+                self.cond.wait(0.05 if self.unservable_since is not None and self.waiting else None)
             return not self.stopped
 
     def _admit(self) -> bool:
         """Move waiting sequences into free slots (called under cond); True when anything runs."""
+        if not self.waiting:
+            self.unservable_since = None
         while self.waiting and self.free_slots and not self.paused:
             head = self.waiting[0]
             if head.cancelled.is_set():
@@ -120,14 +126,28 @@ class Scheduler:
                 continue
             if self.running and (head.isolated or self.running[0].isolated):
                 break  # an isolated sequence waits for an empty batch, and keeps it to itself
-            seq = self.waiting.popleft()
             if not self.engine.can_serve():
-                seq.emit(Event(0, "error", error=EngineGone("the engine holds no weights or KV cache")))
-                seq.finished = True
-                continue
+                self._hold_or_fail()
+                break
+            self.unservable_since = None
+            seq = self.waiting.popleft()
             seq.slot = self.free_slots.pop()
             self.running.append(seq)
         return bool(self.running)
+
+    def _hold_or_fail(self) -> None:
+        """The engine let go of its weights or KV cache (a snapshot, sleep): the waiting sequences wait for
+        them to come back, for HOLD_S at most, then fail (a 503)."""
+        now = time.monotonic()
+        if self.unservable_since is None:
+            self.unservable_since = now
+        if now - self.unservable_since < HOLD_S:
+            return
+        while self.waiting:
+            seq = self.waiting.popleft()
+            seq.emit(Event(0, "error", error=EngineGone("the engine holds no weights or KV cache")))
+            seq.finished = True
+        self.unservable_since = None
 
     def step(self) -> None:
         """One step (see the module's docstring), under the engine's lock."""

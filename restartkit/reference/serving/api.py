@@ -35,6 +35,8 @@ from restartkit.reference.serving import reuseport
 
 MAX_BODY = 1 << 20
 PROTECTED = ("/v1/", "/tokenize", "/detokenize")  # the routes an API key guards
+# A request that finds the weights or the KV cache let go for a snapshot waits this long for them (State.back_in_time)
+SNAPSHOT_HOLD_S = 30.0
 READ_TIMEOUT_S = 60.0  # a connection that sends nothing for this long (mid-request, or idle between requests)
 
 
@@ -158,15 +160,29 @@ class State:
         self.on_ready = None  # called once, when it became ready (start accepting on a given socket)
         self.listeners = None  # restartkit.reference.serving.detach.Listeners, where the engine serves on a held socket
 
-    def drain(self, deadline_s: float = 30.0, queued: Iterable[threading.Thread] = ()) -> int:
+    def drain(self, deadline_s: float = 30.0, queued: Iterable[threading.Thread] = (), others: int = 0) -> int:
         """Wait until every request in flight has its answer written, and the connections found queued at
-        stop theirs (EngineServer.stop_listening); returns how many requests were left."""
+        stop theirs (EngineServer.stop_listening); returns how many requests were left.  `others`: requests
+        of the caller's own, not waited for (the request asking for the drain)."""
         end = time.monotonic() + deadline_s
         for t in queued:
             t.join(max(0.0, end - time.monotonic()))
-        while self.inflight and time.monotonic() < end:
+        while self.inflight > others and time.monotonic() < end:
             time.sleep(0.005)
-        return self.inflight
+        return max(0, self.inflight - others)
+
+    def back_in_time(self, deadline_s: float) -> bool:
+        """For a request that finds the engine without its weights or KV cache, let go for a snapshot: wait
+        up to `deadline_s` for them to come back (a dump takes seconds; its clients wait, never see a 503).
+        False at once while it loads, sleeps (asked for by its operator) or stops."""
+        end = time.monotonic() + deadline_s
+        while not self.ready:
+            if self.ready_at is None or self.stopping or (self.sleeper is not None and self.sleeper.asleep):
+                return False
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.01)
+        return True
 
 
 class Handler(CompletionRoutes, UtilityRoutes, BaseHTTPRequestHandler):
@@ -462,7 +478,7 @@ class Handler(CompletionRoutes, UtilityRoutes, BaseHTTPRequestHandler):
         if st.sleeper is not None and st.sleeper.asleep:
             self._error(503, f"the engine is asleep (level {st.sleeper.level})", "unavailable")
             return False
-        if not st.ready:
+        if not st.ready and not st.back_in_time(SNAPSHOT_HOLD_S):
             self._error(503, "the engine is not ready (loading, or its KV cache was dropped)", "unavailable")
             return False
         return True

@@ -17,6 +17,11 @@ from restartkit.reference.serving.api import EngineServer
 from restartkit.reference.log import log
 
 
+# Requests the public listener accepted before it was given up are answered before the weights or the
+# KV cache are let go (they would fail with a 503 otherwise), for at most this long.
+DRAIN_S = 30.0
+
+
 class DetachError(RuntimeError):
     """The listener could not be given up or taken back: the message says which and why."""
 
@@ -44,8 +49,10 @@ class Listeners:
             public, self.public = self.public, None
         public.halt()
         public.server_close()  # our copy only: the supervisor's socket stays open, and queues what comes
+        left = self.state.drain(DRAIN_S, others=1)  # this call is one request in flight: the others finish
         port = self.admin.server_address[1]
-        log(f"gave up the held socket for a dump; admin calls on 127.0.0.1:{port} until SIGUSR2")
+        log(f"gave up the held socket for a dump; admin calls on 127.0.0.1:{port} until SIGUSR2"
+            + (f" ({left} request(s) still in flight after {DRAIN_S:.0f} s)" if left else ""))
         return port
 
     def reattach(self) -> None:
