@@ -117,25 +117,41 @@ def policy():
 
 @policy.command("check")
 @click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--skip-host", is_flag=True,
+              help="Check the file only, not whether this host fits it (a policy written for another machine).")
 @json_option
 @friendly
-def policy_check(file, as_json):
+def policy_check(file, skip_host, as_json):
     """Check a policy file; print it with every default filled in, and warn about every strategy it asks
-    for that its other keys rule out (naming the key to change).
+    for that its other keys rule out (naming the key to change).  Then check this host as `start` will
+    (the model directory, the device, CRIU where the policy lists it): exit 2 if start would refuse.
 
     \b
     Examples:
       restartkit policy check llm.toml
-      restartkit policy check llm.toml --json | jq .service"""
-    from restartkit.commands.combinations import warnings
+      restartkit policy check llm.toml --json | jq .service
+      restartkit policy check gpu-node.toml --skip-host       # on a laptop, for a GPU node"""
+    from restartkit.commands.combinations import host_warnings, warnings
+    from restartkit.engines import get_adapter
     from restartkit.policy import load_policy
+    from restartkit.process.lifecycle import unfit
     p = load_policy(file)
-    found = warnings(p)
+    found = warnings(p) + ([] if skip_host else host_warnings(p))
     for w in found:
         click.echo(f"warning: {w}", err=True)
-    emit({**p.to_dict(), "warnings": found}, as_json,
-         f"{file}: ok (service {p.name}, engine {p.service['engine']}, strategies {', '.join(p.strategies)})"
+    adapter, _ = get_adapter(p.service["engine"])
+    errors = [] if skip_host else [{"error": problem, "fix": fix} for problem, fix in unfit(p, adapter)]
+    for e in errors:
+        click.secho(f"error: {e['error']}", fg="red", err=True, color=COLOR)
+        click.echo(f"  -> {e['fix']}", err=True)
+    emit({**p.to_dict(), "warnings": found, "errors": errors}, as_json,
+         f"{file}: {'does not fit this host' if errors else 'ok'} (service {p.name}, engine "
+         f"{p.service['engine']}, strategies {', '.join(p.strategies)})"
+         + (f"; {len(errors)} error{'s' if len(errors) > 1 else ''} above: `restartkit start` would refuse it"
+            if errors else "")
          + (f"; {len(found)} warning{'s' if len(found) > 1 else ''} above" if found else ""))
+    if errors:
+        sys.exit(2)
 
 
 # ---- planning and restarting --------------------------------------------------------
@@ -353,8 +369,10 @@ def supervise(policy_path, install_unit, unit_dir, watchdog_sec, unit_user):
         click.echo(f"({sock.name} holds port {svc.policy.service['port']}: it stays open across every engine "
                    "restart and a restart of supervise itself)")
         if unit_user:
-            click.echo(f"run restartkit for this service as {unit_user} (sudo -u {unit_user} restartkit status "
-                       f"--policy {svc.policy.path}): its state dir is {unit_user}'s")
+            from restartkit.commands.units import state_root_for
+            root = state_root_for(svc, unit_user)
+            click.echo(f"run restartkit for this service as {unit_user}, on its state root (sudo -u {unit_user} "
+                       f"restartkit status --state-dir {root} --policy {svc.policy.path})")
         return
     svc.engine.progress = say
     sys.exit(Supervisor(svc, say=say).run())

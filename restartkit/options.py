@@ -19,9 +19,11 @@ def _set_state_dir(ctx, param, value):
 
 def state_root() -> str:
     """The root of state dirs for this command: --state-dir, else $RESTARTKIT_STATE_DIR (commands
-    without the option honour it too), else "" (the policy's own or the default)."""
+    without the option honour it too), else systemd's $STATE_DIRECTORY (a unit's StateDirectory=, as
+    `--install-unit --user` writes), else "" (the policy's own or the default)."""
     ctx = click.get_current_context(silent=True)
-    return (ctx.meta.get("restartkit.state_root") if ctx else None) or os.environ.get(STATE_DIR_ENV, "")
+    return ((ctx.meta.get("restartkit.state_root") if ctx else None) or os.environ.get(STATE_DIR_ENV, "")
+            or os.environ.get("STATE_DIRECTORY", "").split(":")[0])
 
 
 class Seconds(click.ParamType):

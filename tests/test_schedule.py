@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from restartkit.commands.schedule import ScheduleError, check, confirm, to_cron
+from restartkit.commands.schedule import UNASKED, ScheduleError, check, parsed_check, systemd_check, to_cron
 from tests.conftest import run_cli
 
 HAVE_ANALYZE = shutil.which("systemd-analyze") is not None
@@ -15,7 +15,7 @@ HAVE_ANALYZE = shutil.which("systemd-analyze") is not None
 @pytest.mark.parametrize("schedule,cron", [
     ("daily", "0 0 * * *"), ("hourly", "0 * * * *"), ("weekly", "0 0 * * 1"), ("monthly", "0 0 1 * *"),
     ("quarterly", "0 0 1 1,4,7,10 *"), ("Mon..Fri 02:00", "0 2 * * 1-5"), ("*-*-* 04:30:00", "30 4 * * *"),
-    ("Sat,Sun 3:15", "15 3 * * 0,6"), ("*:0/15", "0-59/15 * * * *"), ("*-01,07-01 00:00", "0 0 1 1,7 *"),
+    ("Sat,Sun 3:15", "15 3 * * 0,6"), ("*:0/15", "0-59/15 * * * *"), ("*:5..10/2", "5-10/2 * * * *"), ("*-01,07-01 00:00", "0 0 1 1,7 *"),
 ])
 def test_the_cron_line_runs_at_the_schedules_times(schedule, cron):
     assert check(schedule) is None
@@ -53,8 +53,34 @@ def test_the_grammar_agrees_with_systemd_analyze_over_many_expressions():
             parts.append(":".join(rng.choice(atoms) for _ in range(rng.choice([2, 3]))))
         parts += [z for z in [rng.choice(zones)] if z]
         exprs.add(" ".join(parts))
-    disagree = [(e, check(e), confirm(e)) for e in sorted(exprs) if (check(e) is None) != (confirm(e) is None)]
+    exprs |= set(CORPUS)
+    disagree = [(e, parsed_check(e), systemd_check(e)) for e in sorted(exprs)
+                if (parsed_check(e) is None) != (systemd_check(e) is None)]
     assert disagree == []
+
+
+# what systemd 252 says of these (each checked with systemd-analyze calendar): None = accepted
+CORPUS = {
+    "daily Europe/Berlin": None, "weekly UTC": None, "semi-annually": None, "Semi-Annually": None,
+    "semiannually": None, "hourly Europe/Berlin": None, "minutely UTC": None, "annually UTC": None,
+    "*:0/115": "repeats", "*:0/59": None, "*:0/60": "repeats", "0/23:00": None, "0/24:00": "repeats",
+    "*-*-1/30": None, "*-*-1/31": "repeats", "*-1/11-01": None, "*-1/12-01": "repeats", "*:29/30": None,
+    "*:30/30": "repeats", "*:5..10/2": None, "2025/2-01-01": None, "2025/200-01-01": "repeats",
+    "*-*-~1/5": "is not a systemd calendar", "*:5..10/60": None, "*:10..5/2": "outside", "daily UTC UTC": "only a time zone", "weekly Mon": "only a time zone",
+    "Mon daily": "cannot read",
+}
+
+
+@pytest.mark.parametrize("expr", sorted(CORPUS))
+def test_the_parser_gives_systemd_252s_verdict_on_the_corpus(expr):
+    """Where systemd-analyze is absent (a container), this module's parser decides: it must agree."""
+    got = parsed_check(expr)
+    assert (got is None) == (CORPUS[expr] is None) and (got is None or CORPUS[expr] in got), got
+    if HAVE_ANALYZE:
+        assert (systemd_check(expr) is None) == (CORPUS[expr] is None)
+        assert check(expr) == systemd_check(expr)  # systemd's verdict where it can be asked
+    else:
+        assert systemd_check(expr) is UNASKED and check(expr) == parsed_check(expr)
 
 
 def test_policy_check_refuses_a_calendar_systemd_would_not_load(make_policy):

@@ -205,8 +205,10 @@ def test_the_service_unit_takes_its_listening_socket_from_a_socket_unit(make_pol
     verify(units / "restartkit-six.socket", units / "restartkit-six.service")
 
 
-def test_a_unit_for_another_user_pins_the_state_root_and_is_refused_for_criu(make_policy, tmp_path):
-    import pwd
+def test_a_unit_for_another_user_gets_a_state_directory_and_is_refused_for_criu(make_policy, tmp_path):
+    """nobody's home is /nonexistent: a state root pinned there could never be made.  The unit keeps its
+    state in StateDirectory= (systemd makes it for that user; restartkit reads $STATE_DIRECTORY), and the
+    CLI prints the root an operator passes to run restartkit as that user."""
     units = tmp_path / "units"
     units.mkdir()
     policy = make_policy()
@@ -214,17 +216,54 @@ def test_a_unit_for_another_user_pins_the_state_root_and_is_refused_for_criu(mak
     r = run_cli("supervise", "--policy", policy, "--install-unit", "--unit-dir", units, "--user", "nobody")
     assert r.returncode == 0, r.stderr
     engine = (units / "restartkit-svc.service").read_text()
-    assert "User=nobody\n" in engine and "sudo -u nobody restartkit status" in r.stdout
-    # nobody's home, not the caller's: the CLI run as nobody finds the same lock, history and metrics
-    home = pwd.getpwnam("nobody").pw_dir
-    assert f'Environment="RESTARTKIT_STATE_DIR={home}/.local/state/restartkit"' in engine or \
-        f"Environment=RESTARTKIT_STATE_DIR={home}/.local/state/restartkit" in engine, engine
+    assert "User=nobody\nStateDirectory=restartkit\n" in engine and "RESTARTKIT_STATE_DIR" not in engine, engine
+    assert "sudo -u nobody restartkit status --state-dir /var/lib/restartkit" in r.stdout, r.stdout
     verify(units / "restartkit-svc.service")
+    # what the unit's supervise will read: $STATE_DIRECTORY names the root
+    st = run_cli("status", "--policy", policy, "--json", env={"STATE_DIRECTORY": str(tmp_path / "sd"),
+                                                               "RESTARTKIT_STATE_DIR": ""})
+    assert json.loads(st.stdout)["state_dir"].startswith(str(tmp_path / "sd")), st.stdout + st.stderr
+    # the weight cache's unit as another user than the engine's: refused, naming both
+    r = run_cli("preload", "--policy", policy, "--install-unit", "--unit-dir", units)
+    assert r.returncode == 2 and "runs as nobody, this unit would run as root" in r.stderr, r.stderr
+    assert not (units / "restartkit-wc-svc.service").exists()
     criu = make_policy(name="c")
     criu.write_text(criu.read_text().replace("[restart]\n", '[restart]\nstrategies = ["criu", "cold"]\n'))
     r = run_cli("supervise", "--policy", criu, "--install-unit", "--unit-dir", units, "--user", "nobody")
     assert r.returncode == 2 and "lists criu, which needs root" in r.stderr, r.stderr
     assert not (units / "restartkit-c.service").exists()
+
+
+def test_units_without_criu_are_hardened_and_a_give_up_ends(make_policy, tmp_path):
+    """systemd-analyze security scores each unit without CRIU at 5.0 or less (9.6 before); a unit with CRIU
+    says why it is not hardened.  supervise's give-up (exit 1) is not restarted, and a unit that fails at
+    once trips its start limit at RestartSec pace instead of looping."""
+    units = tmp_path / "units"
+    units.mkdir()
+    for device in ("cpu", "cuda"):
+        policy = make_policy(name=f"h{device}", service_extra=f'device = "{device}"\n')
+        assert run_cli("preload", "--policy", policy, "--install-unit", "--unit-dir", units).returncode == 0
+        assert run_cli("supervise", "--policy", policy, "--install-unit", "--unit-dir", units).returncode == 0
+        for unit in (f"restartkit-wc-h{device}.service", f"restartkit-h{device}.service"):
+            text = (units / unit).read_text()
+            verify(units / unit)
+            assert exposure(units / unit) <= 5.0, (unit, text)
+            assert "StartLimitIntervalSec=300\nStartLimitBurst=5\n" in text and "RestartSec=5\n" in text
+            assert ("PrivateDevices=no" in text) == (device == "cuda"), text
+        assert "RestartPreventExitStatus=1\n" in (units / f"restartkit-h{device}.service").read_text()
+    criu = make_policy(name="c")
+    criu.write_text(criu.read_text().replace("[restart]\n", '[restart]\nstrategies = ["criu", "cold"]\n'))
+    assert run_cli("supervise", "--policy", criu, "--install-unit", "--unit-dir", units).returncode == 0
+    text = (units / "restartkit-c.service").read_text()
+    assert "# Not hardened like a unit without CRIU" in text and "\nProtectSystem=" not in text, text
+    verify(units / "restartkit-c.service")
+
+
+def exposure(unit) -> float:
+    v = subprocess.run(["systemd-analyze", "security", "--offline=true", str(unit)], capture_output=True, text=True)
+    line = [ln for ln in v.stdout.splitlines() if "Overall exposure level" in ln]
+    assert line, v.stdout + v.stderr
+    return float(line[0].split(":")[1].split()[0])
 
 
 def verify(*units) -> None:

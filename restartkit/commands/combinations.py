@@ -63,3 +63,17 @@ def warnings(policy) -> list[str]:
     if policy.restart["overlap"] and adapter is not None and (problem := adapter.overlap_problem(policy)):
         out.append(f"[restart] overlap = true does nothing with this policy: {problem}; set it to false")
     return out
+
+
+def host_warnings(policy) -> list[str]:
+    """What this host lacks for a strategy the policy asks for, where the restart would go on without it
+    (to the next strategy, and in the end cold): CRIU for the criu strategies."""
+    from restartkit.facts import find_criu
+    wants = sorted(s for s in asked_for(policy) if s.startswith("criu"))
+    if not wants:
+        return []
+    path, why = find_criu(policy.criu["criu_path"])
+    if path:
+        return []
+    return [f"{', '.join(wants)} cannot run on this host: CRIU {why}; install it (scripts/install-criu, CRIU 4 or "
+            f"later) or set [criu] criu_path in {policy.path}; `restartkit plan` says what else it needs"]

@@ -6,7 +6,8 @@ crontab line restartkit prints runs at the same times or is refused with the rea
 
 Each field: `*`, a value, a list (`1,15`), a range (`1..5`), a repetition (`0/15`: from 0 every 15);
 the day may count from the month's end (`*-02~01`: the last day of February).  `systemd-analyze calendar` has the last word
-where it exists (`confirm`)."""
+where it exists: `check`, behind both `policy check` and the timer install, asks it, and reads the
+expression itself (`parsed_check`, kept equal to systemd 252 on the tests' corpus) only where it is absent."""
 from __future__ import annotations
 
 import re
@@ -18,13 +19,13 @@ SHORTHANDS = {  # what systemd expands them to
     "minutely": "*-*-* *:*:00", "hourly": "*-*-* *:00:00", "daily": "*-*-* 00:00:00",
     "weekly": "Mon *-*-* 00:00:00", "monthly": "*-*-01 00:00:00", "yearly": "*-01-01 00:00:00",
     "annually": "*-01-01 00:00:00", "quarterly": "*-01,04,07,10-01 00:00:00",
-    "semiannually": "*-01,07-01 00:00:00",
+    "semiannually": "*-01,07-01 00:00:00", "semi-annually": "*-01,07-01 00:00:00",
 }
 DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 FULL_DAYS = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday")
 LIMITS = {"year": (1970, 2199), "month": (1, 12), "day": (1, 31), "hour": (0, 23), "minute": (0, 59),
           "second": (0, 59)}
-ITEM = re.compile(r"(?P<start>~?\d+(?:\.\d+)?)(?:\.\.(?P<end>\d+(?:\.\d+)?)|/(?P<step>\d+(?:\.\d+)?))?")
+ITEM = re.compile(r"(?P<start>~?\d+(?:\.\d+)?)(?:\.\.(?P<end>\d+(?:\.\d+)?))?(?:/(?P<step>\d+(?:\.\d+)?))?")
 
 
 class ScheduleError(ValueError):
@@ -46,10 +47,14 @@ class Calendar:
 
 def parse(text: str) -> Calendar:
     """ScheduleError naming what is wrong, as systemd would refuse it."""
-    expr = SHORTHANDS.get(text.lower(), text) if text.strip() == text else None
+    expr = text if text.strip() == text and not any(ord(c) < 32 or ord(c) == 127 for c in text) else None
     if not expr or len(expr) > 200:
-        raise ScheduleError("is empty, too long, or has spaces around it")
+        raise ScheduleError("is empty, too long, has spaces around it or a control character in it")
     words = expr.split()
+    if words[0].lower() in SHORTHANDS:  # a shorthand, perhaps with a time zone ("daily Europe/Berlin")
+        if len(words) > 2 or (len(words) == 2 and not _timezones(words[1])):
+            raise ScheduleError(f"{words[0]!r} stands for a whole schedule: only a time zone may follow it")
+        words = SHORTHANDS[words[0].lower()].split() + words[1:]
     weekdays = None
     if words and re.fullmatch(r"[A-Za-z.,]+", words[0]) and words[0].lower() not in _timezones(words[0]):
         weekdays = _weekdays(words.pop(0))
@@ -71,28 +76,39 @@ def parse(text: str) -> Calendar:
     return Calendar(weekdays, y, mo, d, h, mi, s, zone)
 
 
+EXAMPLES = "say 'daily', 'Mon..Fri 02:00', '*-*-* 04:30:00', 'weekly Europe/Berlin'"
+UNASKED = object()  # systemd-analyze is not here, or did not answer
+
+
 def check(text: str) -> str | None:
-    """Why `text` is no calendar systemd accepts (None: it is one) - the policy's check."""
+    """Why `text` is no calendar systemd accepts (None: it is one): `policy check` and the timer install
+    both ask this.  systemd's own verdict where `systemd-analyze` is installed, else this module's."""
+    verdict = systemd_check(text)
+    return parsed_check(text) if verdict is UNASKED else verdict
+
+
+def parsed_check(text: str) -> str | None:
+    """This module's verdict, systemd 252's rules (for hosts without systemd-analyze: a container)."""
     try:
         parse(text)
         return None
     except ScheduleError as e:
-        return f"{text!r} is not a systemd calendar expression: {e} (say 'daily', 'Mon..Fri 02:00', '*-*-* 04:30:00')"
+        return f"{text!r} is not a systemd calendar expression: {e} ({EXAMPLES})"
 
 
-def confirm(text: str) -> str | None:
-    """systemd's own verdict (`systemd-analyze calendar`), where it is installed; None when it accepts
-    the expression or cannot be asked."""
+def systemd_check(text: str):
+    """`systemd-analyze calendar`'s verdict: None (accepted), why not, or UNASKED."""
     exe = shutil.which("systemd-analyze")
-    if exe is None:
-        return None
+    if exe is None or any(ord(c) < 32 for c in text):  # a control character: never an argument
+        return UNASKED if exe is None else parsed_check(text)
     try:
-        r = subprocess.run([exe, "calendar", text], capture_output=True, text=True, timeout=10)
+        r = subprocess.run([exe, "calendar", "--", text], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
-        return None
+        return UNASKED
     if r.returncode == 0:
         return None
-    return f"systemd-analyze calendar refuses {text!r}: {(r.stderr or r.stdout).strip().splitlines()[-1:]}"
+    said = " ".join((r.stderr or r.stdout).strip().splitlines()[-1:])[:200]
+    return f"{text!r} is not a systemd calendar expression: systemd-analyze calendar says {said!r} ({EXAMPLES})"
 
 
 def to_cron(text: str) -> str:
@@ -176,8 +192,13 @@ def _field(part: str, name: str) -> None:
         end = float(m["end"]) if m["end"] else start
         if not (lo <= start <= hi and lo <= end <= hi) or end < start:
             raise ScheduleError(f"the {name} {item!r} is outside {lo}..{hi}")
-        if m["step"] is not None and float(m["step"]) <= 0:
-            raise ScheduleError(f"the {name} {item!r} repeats every 0")
+        if m["step"] is not None:
+            if float(m["step"]) <= 0:
+                raise ScheduleError(f"the {name} {item!r} repeats every 0")
+            if m["start"].startswith("~"):
+                raise ScheduleError(f"the {name} {item!r}: a day from the month's end does not repeat")
+            if not m["end"] and start + float(m["step"]) > hi:  # systemd: a repetition falls inside the field
+                raise ScheduleError(f"the {name} {item!r} repeats past {hi}")
 
 
 def _cron_field(part: str, name: str) -> str:
@@ -190,7 +211,7 @@ def _cron_field(part: str, name: str) -> str:
             raise ScheduleError("cron cannot count days from the end of the month (~)")
         start = int(m["start"])
         if m["end"]:
-            out.append(f"{start}-{int(m['end'])}")
+            out.append(f"{start}-{int(m['end'])}" + (f"/{int(m['step'])}" if m["step"] else ""))
         elif m["step"]:
             out.append(f"{start}-{LIMITS[name][1]}/{int(m['step'])}")
         else:

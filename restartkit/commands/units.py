@@ -58,16 +58,98 @@ def _restartkit() -> list[str]:
     return [found] if found else [sys.executable, "-m", "restartkit.cli"]
 
 
+STATE_DIRECTORY = "/var/lib/restartkit"  # StateDirectory=restartkit
+
+
 def environment(service, user: str | None = None) -> str:
     """Environment= lines for what the command line chose and the unit must keep (the state root:
     another one would be another lock, history and metrics); empty when nothing was chosen.  With
-    `user`, the root is pinned even when not chosen: that user's home is not the caller's."""
+    `user` and no root chosen: StateDirectory=restartkit, which systemd makes for that user (their
+    home may not exist: nobody's is /nonexistent), read back through $STATE_DIRECTORY."""
+    if _state_directory(service, user):
+        return "StateDirectory=restartkit\nStateDirectoryMode=0750\n"
     root = service.policy.state_root
-    if not root and user and not service.policy.sections["service"]["state_dir"]:
-        root = os.path.join(pwd.getpwnam(user).pw_dir, ".local", "state", "restartkit")
     if not root:
         return ""
     return "Environment=" + quote(f"RESTARTKIT_STATE_DIR={os.path.abspath(os.path.expanduser(root))}") + "\n"
+
+
+def state_root_for(service, user: str | None) -> str:
+    """The state root the unit's commands use: what an operator passes to run the CLI as that user."""
+    if _state_directory(service, user):
+        return STATE_DIRECTORY
+    return str(service.policy.state_dir().parent)
+
+
+TMP_DIRS = ("/tmp", "/var/tmp")
+# Seccomp: system call groups no engine, weight cache or supervise makes (torch's thread pinning is in
+# @resources, its JIT in nothing listed; ptrace-like calls (@debug) are left for py-spy and the like)
+DENIED_CALLS = "~@clock @cpu-emulation @module @mount @obsolete @raw-io @reboot @swap"
+CRIU_UNHARDENED = """\
+# Not hardened like a unit without CRIU: CRIU dumps and restores whole processes as root.  It needs
+# CAP_SYS_ADMIN (or CAP_CHECKPOINT_RESTORE), CAP_SYS_PTRACE and CAP_NET_ADMIN, writes its images
+# anywhere the policy says, creates namespaces for `snapshot test`, and restores mounts and devices:
+# ProtectSystem=, PrivateDevices=, NoNewPrivileges=, RestrictNamespaces= or a capability bound would
+# each fail a dump or a restore.
+"""
+
+
+def needs_criu(service) -> bool:
+    return any(s.startswith("criu") for s in service.policy.restart["strategies"])
+
+
+def writable_paths(service, user: str | None) -> list[str]:
+    """What the service writes outside the unit's own directories: its state root (unless StateDirectory=
+    gives one), the weight cache's sockets, the metrics textfiles."""
+    from restartkit.policy import expand
+    from restartkit.weightcache.protocol import socket_dir
+    paths = [] if _state_directory(service, user) else [str(service.policy.state_dir().parent)]
+    chosen = expand(service.policy.ipc["socket_dir"])
+    if not chosen and user:  # the default is per user: the unit's user's, not the caller's
+        import tempfile
+        chosen = os.path.join(tempfile.gettempdir(), f"restartkit-wc-{pwd.getpwnam(user).pw_uid}")
+    paths.append(socket_dir(chosen))
+    if textfiles := service.policy.sections["metrics"]["textfile_dir"]:
+        paths.append(expand(textfiles))
+    return [os.path.abspath(p) for p in paths]
+
+
+def hardening(service, user: str | None) -> str:
+    """The sandbox of a unit without CRIU (systemd-analyze security scores it about 2-3, where a unit
+    without any scored 9.6): read-only system and homes but for what it writes, no capabilities, no new
+    privileges.  A GPU needs its /dev/nvidia* nodes (PrivateDevices=no); the weight cache's sockets
+    default to /tmp, shared with the engine's unit (PrivateTmp=no then: a private /tmp per unit would
+    hide them)."""
+    if needs_criu(service):
+        return CRIU_UNHARDENED
+    paths = writable_paths(service, user)
+    in_tmp = sorted({t for p in paths for t in TMP_DIRS if p == t or p.startswith(t + "/")})
+    rw = [t for t in in_tmp] + [f"-{p}" for p in paths if not any(p == t or p.startswith(t + "/") for t in in_tmp)]
+    gpu = service.policy.service["device"] == "cuda"
+    lines = [
+        "NoNewPrivileges=yes", "ProtectSystem=strict", *(f"ReadWritePaths={quote(p)}" for p in rw),
+        "ProtectHome=read-only",
+        (f"PrivateTmp=no\n# PrivateTmp=no: {', '.join(p for p in paths if any(p.startswith(t) for t in in_tmp))} "
+         "is shared with the other units (set [ipc] socket_dir outside /tmp to get a private /tmp)") if in_tmp
+        else "PrivateTmp=yes",
+        "PrivateDevices=no\n# PrivateDevices=no: the GPU's /dev/nvidia* nodes (CUDA, CUDA IPC)" if gpu
+        else "PrivateDevices=yes",
+        "ProtectKernelTunables=yes", "ProtectKernelModules=yes", "ProtectKernelLogs=yes", "ProtectControlGroups=yes",
+        "ProtectClock=yes", "ProtectHostname=yes", "RestrictRealtime=yes", "RestrictSUIDSGID=yes",
+        "RestrictNamespaces=yes", "LockPersonality=yes", "SystemCallArchitectures=native",
+        f"SystemCallFilter={DENIED_CALLS}",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK",  # AF_NETLINK: gloo's interface lookup
+        "CapabilityBoundingSet=", "AmbientCapabilities=", "UMask=0077",
+        # caches of engines that compile (vLLM, torch inductor): a directory of the unit's own
+        "CacheDirectory=restartkit", "Environment=XDG_CACHE_HOME=%C/restartkit",
+    ]
+    return "# sandbox (restartkit.commands.units.hardening)\n" + "\n".join(lines) + "\n"
+
+
+def _state_directory(service, user: str | None) -> bool:
+    """A unit for another user keeps its state in StateDirectory=restartkit (/var/lib/restartkit, made
+    and owned for that user by systemd) unless the command line or the policy chose a root."""
+    return bool(user) and not service.policy.state_root and not service.policy.sections["service"]["state_dir"]
 
 
 def engine_unit(name: str) -> str:
@@ -97,6 +179,7 @@ def supervise_units(service, unit_dir: str, watchdog_s: int = 0, user: str | Non
     name = service.policy.name
     d = Path(unit_dir)
     cache = (d / cache_unit(name)).exists()
+    _same_user(d / cache_unit(name), user, "its weight cache's unit")
     path = d / engine_unit(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     sock = d / socket_unit(name)
@@ -116,11 +199,11 @@ Description=restartkit: {name}, supervised (crashes come back through the fastes
 Requires={socket_unit(name)}
 Wants=network-online.target{f" {cache_unit(name)}" if cache else ""}
 After=network-online.target {socket_unit(name)} {cache_unit(name)}
-
+{START_LIMIT}
 [Service]
 Type=notify
 NotifyAccess=main
-{_user(service, user)}{environment(service, user)}ExecStart={start}
+{_user(service, user)}{environment(service, user)}{hardening(service, user)}ExecStart={start}
 ExecReload=/bin/kill -HUP $MAINPID
 KillMode=mixed
 # floors: supervise extends both to the policy's numbers at the time (EXTEND_TIMEOUT_USEC)
@@ -129,7 +212,7 @@ TimeoutStopSec={int(r['stop_timeout_s'] + 30)}
 {f'WatchdogSec={watchdog_s}' if watchdog_s else '# WatchdogSec=60  (supervise feeds it while its loop makes progress)'}
 Restart=on-failure
 RestartSec=5
-
+{GIVE_UP}
 [Install]
 WantedBy=multi-user.target
 """)
@@ -142,16 +225,17 @@ def weight_cache_unit(service, unit_dir: str, user: str | None = None) -> Path:
     policy = os.path.abspath(service.policy.path)
     name = service.policy.name
     path = Path(unit_dir) / cache_unit(name)
+    _same_user(Path(unit_dir) / engine_unit(name), user, "its engine's unit")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"""[Unit]
 Description=restartkit: the weight cache of {name} (its engine's unit starts once it holds the weights)
 Wants=network-online.target
 After=network-online.target
 Before={engine_unit(name)}
-
+{START_LIMIT}
 [Service]
 Type=exec
-{_user(service, user)}{environment(service, user)}ExecStart={exec_line(["preload", "--policy", policy])}
+{_user(service, user)}{environment(service, user)}{hardening(service, user)}ExecStart={exec_line(["preload", "--policy", policy])}
 ExecStartPost={exec_line(["preload", "--policy", policy, "--wait-ready"])}
 TimeoutStartSec={int(service.policy.ipc["startup_timeout_s"] + 60)}
 TimeoutStopSec=30
@@ -163,6 +247,26 @@ RestartSec=5
 WantedBy=multi-user.target
 """)
     return path
+
+
+# A unit that fails at once RestartSec after RestartSec trips this (5 starts in 25 s), so a loop ends
+START_LIMIT = "StartLimitIntervalSec=300\nStartLimitBurst=5\n"
+# supervise's give-up (its own start limit, EXIT_GAVE_UP): the engine cannot be brought back, and
+# another supervise would not either; the service stays stopped until an operator acts
+GIVE_UP = "RestartPreventExitStatus=1\n"
+
+
+def _same_user(other: Path, user: str | None, what: str) -> None:
+    """The engine and its weight cache run as one user: the cache hands its memory to its own user's
+    processes only (SO_PEERCRED), and both share the socket directory."""
+    if not other.exists():
+        return
+    theirs = next((ln.split("=", 1)[1].strip().strip('"') for ln in other.read_text().splitlines()
+                   if ln.startswith("User=")), None)
+    if theirs != (user or None):
+        raise UsageError(f"{other} runs as {theirs or 'root'}, this unit would run as {user or 'root'}: the weight "
+                         "cache serves its own user's engines only",
+                         hint=f"install both with the same --user (or remove {other} first)")
 
 
 def _user(service, user: str | None) -> str:

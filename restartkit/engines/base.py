@@ -8,6 +8,20 @@ from restartkit import http
 from restartkit.contracts import CANARY_HEADER
 
 
+
+def local_model_problem(model: str) -> str | None:
+    """For engines that take a hub id or a directory: a model written as a path (/, ./, ../, ~) must be a
+    checkpoint directory, else the engine would take it for a hub id and fail later, and differently."""
+    import os
+    if not model.startswith(("/", "./", "../", "~")):
+        return None  # a hub id
+    path = os.path.expanduser(model)
+    if not os.path.isdir(path):
+        return f"model directory {model} does not exist (a path, not a hub id)"
+    if not os.path.exists(os.path.join(path, "config.json")):
+        return f"{model} has no config.json: not a Hugging Face checkpoint directory"
+    return None
+
 @dataclass
 class LaunchSpec:
     argv: list[str]

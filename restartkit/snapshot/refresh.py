@@ -106,10 +106,10 @@ def verify(snap) -> None:
 def install_timer(service, schedule: str, unit_dir: str = "/etc/systemd/system") -> tuple[list[Path], str]:
     """Write restartkit-refresh-<service>.service/.timer; return them and the crontab line for the same
     schedule (or, starting with '#', why cron cannot run it).  A schedule systemd refuses writes nothing."""
-    from restartkit.commands.schedule import ScheduleError, confirm, to_cron
+    from restartkit.commands.schedule import ScheduleError, check, to_cron
     from restartkit.commands.units import cron_command, environment, exec_line
     from restartkit.errors import UsageError
-    if refused := confirm(schedule):
+    if refused := check(schedule):
         raise UsageError(f"[criu] refresh: {refused}; no unit was written",
                          hint=f"fix it in {service.policy.path} (say 'daily', 'Mon..Fri 02:00', '*-*-* 04:30:00')")
     policy = os.path.abspath(service.policy.path)
