@@ -6,6 +6,7 @@ import errno
 import json
 import math
 import os
+import secrets
 import stat
 import sys
 import time
@@ -371,19 +372,28 @@ def write_textfile(path: Path, families) -> None:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(families))
     data = generate_latest(registry)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    # through a descriptor of the directory (never a link in its place), into a name made fresh here
+    # (O_EXCL), renamed over the output: a link planted at either name is replaced, never followed
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    tmp = f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    fd = -1
     try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
         os.fchmod(fd, 0o644)
         os.write(fd, data)
         os.close(fd)
         fd = -1
-        os.replace(tmp, path)
+        os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
     except BaseException:
         if fd >= 0:
             os.close(fd)
-        tmp.unlink(missing_ok=True)
+        try:
+            os.unlink(tmp, dir_fd=dfd)
+        except OSError:
+            pass
         raise
+    finally:
+        os.close(dfd)
 
 
 def textfile(policy, kind: str) -> Path:
@@ -394,8 +404,33 @@ def textfile(policy, kind: str) -> Path:
     if not where:
         return policy.state_dir() / ("metrics.prom" if kind == "restarts" else "snapshot.prom")
     d = Path(os.path.expandvars(os.path.expanduser(where)))
+    if problem := textfile_dir_problem(d):
+        raise UntrustedDir(f"{problem}; set [metrics] textfile_dir in {policy.path} to a directory only its owner "
+                           "(or root) can write, or one with the sticky bit")
     d.mkdir(parents=True, exist_ok=True, mode=0o755)
     return d / (f"restartkit_{policy.name}.prom" if kind == "restarts" else f"restartkit_{policy.name}_snapshot.prom")
+
+
+class UntrustedDir(OSError):
+    """[metrics] textfile_dir is a directory root must not write into: its message says why and what to do."""
+
+
+def textfile_dir_problem(d: Path) -> str | None:
+    """Why `d` is no place for restartkit (often root) to write: a symlink (its target could be anywhere),
+    or a directory every user may write without the sticky bit (anyone could swap the file).  A directory
+    owned by another user is fine (Debian's node-exporter dir belongs to the exporter): the files go in
+    through a directory descriptor, under a fresh name, renamed into place (write_textfile)."""
+    try:
+        st = os.lstat(d)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return f"[metrics] textfile_dir {d} is a symlink (to {os.readlink(d)})"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"[metrics] textfile_dir {d} is not a directory"
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        return f"[metrics] textfile_dir {d} is writable by every user and has no sticky bit"
+    return None
 
 
 def write_record(service, rec: Record) -> bool:

@@ -35,7 +35,13 @@ def criu_usable(facts: Facts, policy) -> str | None:
         return (f"CRIU {c.version} at {c.path} is too old: 4.0 or newer is needed; "
                 "scripts/install-criu installs 4.2.1 beside it")
     if not c.check_ok:
-        last = c.check_output.splitlines()[-1] if c.check_output else "no output"
+        lines = [ln.strip() for ln in (c.check_output or "").splitlines() if ln.strip()]
+        if cap := next((ln for ln in lines if "CAP_" in ln), None):  # CRIU names it first, then a setcap line
+            return (f"`{c.path} check` fails: {cap.rstrip(': ')}; run it as root with that capability, or "
+                    f"`setcap cap_checkpoint_restore+eip {c.path}` (the CRIU binary), or in a container add "
+                    "CHECKPOINT_RESTORE and SYS_ADMIN to its securityContext capabilities "
+                    "(docs/kubernetes-criu.yaml)")
+        last = lines[-1] if lines else "no output"
         return f"`{c.path} check` fails on this kernel ({last}); scripts/install-criu installs a CRIU that passes"
     return None
 
@@ -160,6 +166,8 @@ def revision_pinned(facts: Facts, policy) -> str | None:
     svc = policy.service
     if svc["revision"] or facts.of("criu").get("model_local"):
         return None  # a local checkpoint (directory or single file) is pinned in the snapshot's identity
+    if svc["model"].startswith(("/", "./", "../", "~")):  # a path that is not there: not a hub id either
+        return None  # the model's own check names it (model directory ... does not exist)
     return (f"a snapshot is tied to exact weights: {svc['model']} is a hub id, so pin [service] revision "
             "to a 40-character commit id")
 

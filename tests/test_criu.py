@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import RESTARTKIT, ROOT, run_cli
 from tests.helpers import CRIU, CRIU_MARKS, create, engines_on, snapshots_dir
 
 pytestmark = CRIU_MARKS
@@ -277,3 +277,21 @@ def test_under_supervise_a_full_snapshot_restores_on_the_held_socket(make_policy
     got = summarize(load.snapshot(), [kill], clients=2)
     assert got["refused"] == 0 and got["http_5xx"] == 0 and got["counts"].get("ok", 0) > 10, got
     assert len({tuple(a) for a in load.answers}) == 1, got
+
+
+def test_criu_without_its_capability_is_named_in_plan(make_policy):
+    """CRIU run without CAP_SYS_ADMIN and CAP_CHECKPOINT_RESTORE (dropped from the bounding set here, as an
+    unprivileged container would have it): plan names the capability and how to grant it, not "this kernel"."""
+    import shutil
+    if shutil.which("capsh") is None:
+        pytest.skip("capsh (libcap2-bin) is not installed")
+    policy = make_policy()
+    policy.write_text(policy.read_text().replace("[restart]\n", '[restart]\nstrategies = ["criu", "cold"]\n'))
+    cmd = " ".join([*map(str, RESTARTKIT), "plan", "--policy", str(policy), "--json"])
+    r = subprocess.run(["capsh", "--drop=cap_sys_admin,cap_checkpoint_restore", "--", "-c", cmd],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    (criu,) = [v for v in json.loads(r.stdout)["strategies"] if v["strategy"] == "criu"]
+    why = " ".join(criu["reasons"])
+    assert not criu["eligible"] and "CAP_SYS_ADMIN or the CAP_CHECKPOINT_RESTORE" in why, why
+    assert "setcap cap_checkpoint_restore+eip" in why and "on this kernel" not in why, why

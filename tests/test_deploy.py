@@ -73,9 +73,47 @@ def test_the_pod_follows_from_its_policy(path, tmp_path):
     assert policy.ipc["socket_dir"] == mounts["sockets"]
 
 
+def test_the_plain_variant_meets_pod_security_restricted():
+    """Services without CRIU need no root: the pod passes Pod Security `restricted` (its fields as that
+    profile names them), and the image's non-root user is the one it runs as."""
+    pod = docs(MANIFESTS[0])["StatefulSet"]["spec"]["template"]["spec"]
+    psc, (engine,) = pod["securityContext"], pod["containers"]
+    assert psc["runAsNonRoot"] is True and psc["runAsUser"] != 0 and psc["seccompProfile"]["type"] == "RuntimeDefault"
+    sc = engine["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]} and "add" not in sc
+    image = (ROOT / "docs" / "Containerfile").read_text()
+    assert f"USER {psc['runAsUser']}\n" in image and "HEALTHCHECK" in image and "RESTARTKIT_RUNTIME_ONLY=1" in image
+    for ignore in (".containerignore", ".dockerignore"):
+        kept_out = (ROOT / ignore).read_text().split()
+        assert {".venv", ".git", ".pytest_cache", "**/__pycache__"} <= set(kept_out), ignore
+
+
+def test_the_refresh_cronjob_may_exec_into_its_pod_only():
+    """The refresh runs in the engine's container through `kubectl exec`, from a CronJob whose service
+    account may exec into that one pod (a Role, bound to it), on the policy's schedule in cron's words."""
+    import tomllib
+    from restartkit.commands.schedule import to_cron
+    d = docs(MANIFESTS[1])
+    job = d["CronJob"]["spec"]
+    pod = job["jobTemplate"]["spec"]["template"]["spec"]
+    refresh = tomllib.loads(d["ConfigMap"]["data"]["policy.toml"])["criu"]["refresh"]
+    assert job["schedule"] == to_cron(refresh) and job["concurrencyPolicy"] == "Forbid"
+    engine_pod = f"{d['StatefulSet']['metadata']['name']}-0"
+    (c,) = pod["containers"]
+    assert c["command"][:3] == ["kubectl", "exec", engine_pod] and "refresh" in c["command"]
+    assert pod["serviceAccountName"] == d["ServiceAccount"]["metadata"]["name"]
+    binding = d["RoleBinding"]
+    assert binding["roleRef"]["name"] == d["Role"]["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"]}]
+    rules = d["Role"]["rules"]
+    assert all(r["resourceNames"] == [engine_pod] for r in rules)  # that pod, no other
+    assert {v for r in rules if r["resources"] == ["pods/exec"] for v in r["verbs"]} == {"create", "get"}
+    assert pod["securityContext"]["runAsNonRoot"] is True and c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+
+
 def test_only_the_criu_variant_is_granted_what_criu_needs():
     plain = docs(MANIFESTS[0])["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
-    assert "securityContext" not in plain
+    assert "add" not in plain["securityContext"]["capabilities"]
     sc = docs(MANIFESTS[1])["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]["securityContext"]
     assert sc["runAsUser"] == 0 and sc.get("privileged") is not True  # capabilities named, not everything
     assert {"SYS_ADMIN", "SYS_PTRACE", "CHECKPOINT_RESTORE"} <= set(sc["capabilities"]["add"])

@@ -89,7 +89,7 @@ def test_ipc_reasons_name_the_daemon_and_the_fields():
 def test_criu_prerequisites_each_give_a_reason():
     f = facts(arch="aarch64", uid=1000, user="ann", passwordless_sudo=False, io_uring_disabled=0,
               criu=CriuFacts(path="/usr/sbin/criu", source="PATH", version="3.17.1", check_ok=False, check_output="vdso"))
-    p = policy(tensor_parallel_size=2, engine="vllm")
+    p = policy(tensor_parallel_size=2, engine="vllm", model="org/model")  # a hub id: its revision must be pinned
     reasons = " | ".join(all_strategies()["criu"].check(f, p).reasons)
     for words in ("x86-64", "passwordless sudo", "tensor_parallel_size = 2", "is too old: 4.0 or newer",
                   "io_uring_disabled=2", "40-character", "no snapshot yet"):
@@ -164,3 +164,10 @@ def test_the_planner_is_pure():
     assert plans["ipc"].overlap and not plans["cold"].overlap
     assert any("never been test-restored" in n for n in plans["criu"].notes)
     assert "an engine note" in text and "host binds 0.0.0.0" in text
+
+
+def test_a_model_path_that_is_not_there_is_not_called_a_hub_id():
+    f = facts()
+    reasons = " | ".join(all_strategies()["criu"].check(f, policy(engine="vllm", model="/srv/absent")).reasons)
+    assert "hub id" not in reasons, reasons
+    assert "hub id" in " | ".join(all_strategies()["criu"].check(f, policy(engine="vllm", model="org/m")).reasons)

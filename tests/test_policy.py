@@ -159,3 +159,37 @@ def test_policy_check_refuses_what_start_would_refuse(tmp_path, tiny_model, make
         s = run_cli("start", "--policy", policy)
         fix = errors[0]["fix"].replace(str(p), str(policy))
         assert s.returncode != 0 and errors[0]["error"] in s.stderr and fix in s.stderr, s.stderr
+
+
+def test_an_untrusted_textfile_dir_is_refused_and_a_planted_link_never_followed(tmp_path, tiny_model):
+    """[metrics] textfile_dir: a symlink, or a world-writable dir without the sticky bit, is refused by policy
+    check (and start) naming the key; one owned by another user is used, and a link planted at the output
+    name is replaced, never written through."""
+    import json
+    import os
+    from restartkit.record import write_textfile
+    from tests.conftest import run_cli
+    real, link, open_dir, sticky = (tmp_path / n for n in ("real", "link", "open", "sticky"))
+    for d in (real, open_dir, sticky):
+        d.mkdir()
+    link.symlink_to(real)
+    open_dir.chmod(0o777)
+    sticky.chmod(0o1777)
+    os.chown(real, 65534, 65534)  # another user's, as Debian's node-exporter dir
+    p = tmp_path / "p.toml"
+    for d, words in ((link, "is a symlink"), (open_dir, "writable by every user and has no sticky bit"),
+                     (sticky, None), (real, None)):
+        p.write_text(FILE.format(engine="reference", service="", model=tiny_model)
+                     + f'[metrics]\ntextfile_dir = "{d}"\n')
+        r = run_cli("policy", "check", str(p), "--json")
+        errors = json.loads(r.stdout)["errors"]
+        if words is None:
+            assert r.returncode == 0 and not errors, r.stderr
+        else:
+            assert r.returncode == 2 and words in errors[0]["error"] and "[metrics] textfile_dir" in errors[0]["fix"]
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    (real / "restartkit_svc.prom").symlink_to(victim)
+    write_textfile(real / "restartkit_svc.prom", [])
+    assert victim.read_text() == "keep" and not (real / "restartkit_svc.prom").is_symlink()
+    assert [n for n in os.listdir(real) if n.endswith(".tmp")] == []

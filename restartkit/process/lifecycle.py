@@ -77,12 +77,18 @@ def ours(pid: int, since_ticks: int | None) -> bool:
 def unfit(policy, adapter) -> list[tuple[str, str]]:
     """Why this host cannot start this policy's engine, each with its fix: the model (and draft, and API
     key file) the engine would read, and the device.  `start` refuses on the first; `policy check` shows
-    them all (the same checks, made once here)."""
+    them all (the same checks, made once here).  And where its metrics would go: never into a directory
+    root must not write (restartkit.record.textfile_dir_problem)."""
+    from restartkit.record import textfile_dir_problem
     out = []
     if problem := adapter.model_problem(policy) or adapter.key_problem(policy):
         key = "draft_model" if problem.startswith(("draft_model", "the draft model")) else \
             "api_key_file" if "api_key_file" in problem else "model"
         out.append((problem, f"fix [service] {key} in {policy.path}"))
+    if (textfiles := policy.sections["metrics"]["textfile_dir"]) and \
+            (problem := textfile_dir_problem(Path(os.path.expandvars(os.path.expanduser(textfiles))))):
+        out.append((problem, f"set [metrics] textfile_dir in {policy.path} to a directory only its owner (or root) "
+                             "can write, or one with the sticky bit"))
     if policy.service["device"] == "cuda" and not gpu_visible():
         out.append(("device = \"cuda\", and this host shows no NVIDIA GPU (no /proc/driver/nvidia/gpus entry, no "
                     "/dev/nvidiactl)", f"run it on a GPU host, or set [service] device = \"cpu\" in {policy.path}"))
