@@ -191,8 +191,10 @@ def plan(policy_path, strategy, reason, as_json):
 def restart(policy_path, strategy, reason, strict, overlap, measure_downtime, wait_s, as_json):
     """Restart a service: plan, run the chosen strategy, prove it, recover on failure.
 
-    A SIGTERM or Ctrl-C ends it at its next safe point (what it started is stopped; the next command
-    reconciles) and exits 128+N.
+    A strategy named with --strategy that cannot run now (or an --overlap that does not apply) is refused
+    before anything is touched: exit 2, every reason, and what would make it run.  --strict: exit 3 when
+    the named strategy failed midway and only its recovery path served.  A SIGTERM or Ctrl-C ends it at its
+    next safe point (what it started is stopped; the next command reconciles) and exits 128+N.
 
     \b
     Examples:
@@ -200,7 +202,7 @@ def restart(policy_path, strategy, reason, strict, overlap, measure_downtime, wa
       restartkit restart --policy llm.toml --strategy ipc --strict  # exit 3 if only a cold start served
       restartkit restart --policy llm.toml --measure-downtime --json"""
     restart_and_exit(policy_path, strategy, as_json, "restart", wait_s, reason=reason, strict=strict, overlap=overlap,
-                     measure_downtime=measure_downtime)
+                     measure_downtime=measure_downtime, refuse_ineligible=True)
 
 
 def restart_and_exit(policy_path, strategy: str, as_json: bool, command: str, wait_s: float, reason: str = "restart",
@@ -276,15 +278,17 @@ def stop(policy_path, wait_s, as_json):
 @state_dir_option
 @friendly
 def status(policy_path, as_json):
-    """Is the engine running, and does it answer a real completion?
+    """Is the engine running, and does it answer a real completion?  It only looks: it never starts or
+    stops a process, so a probe or a monitoring script may call it.  What it finds that needs acting on (an
+    interrupted restart, the engines it left) comes with the command that does it.  Exit 0: serving; 1: not.
 
     \b
     Examples:
       restartkit status --policy llm.toml
-      restartkit status --policy llm.toml --json | jq .serving"""
+      restartkit status --policy llm.toml --json | jq .serving
+      restartkit status --policy llm.toml >/dev/null || alert   # a probe: exit 0 only while it serves"""
     from restartkit.record import read_history
     svc = load(policy_path)
-    _reconcile_if_free(svc)
     proc = svc.current()
     ready = proc is not None and svc.is_ready()
     from restartkit.commands.supervise import read_state
@@ -312,18 +316,39 @@ def status(policy_path, as_json):
     if sb:
         text += f"\nstandby: PID {sb['pid']}, {sb['state']}" + (
             f" ({sb['rss_bytes'] / 1e6:.0f} MB resident)" if sb.get("rss_bytes") else "")
-    if not ready:
-        data["next"] = _bring_back(svc, proc, sup)
+    data["interrupted"] = _interrupted(svc)
+    if (cut := data["interrupted"]) is not None:
+        left = ", ".join(f"PID {p}" for p in cut["engines_left"]) or "no engine"
+        text += (f"\ninterrupted: `restartkit {cut['command']}` (PID {cut['pid']}) ended halfway and left {left}; "
+                 "the next command that may act finishes it (adopts what answers, stops the rest, starts it cold "
+                 "where it was to serve)")
+    if not ready or cut is not None:
+        data["next"] = _bring_back(svc, proc, sup, cut)
         text += f"\nnext: {data['next']}"
     emit(data, as_json, text)
     sys.exit(EXIT_SERVING if ready else EXIT_NOT_SERVING)
 
 
-def _bring_back(svc, proc, sup) -> str:
-    """The command that brings a service that does not serve back (status says it; it runs nothing itself)."""
+def _interrupted(svc) -> dict | None:
+    """A command that died holding the service (its intent left behind), and the engines it left: read only."""
+    from restartkit.commands.reconcile import candidates
+    from restartkit.guard.intent import Intent
+    stale = Intent(svc.state_dir).read_stale()
+    if stale is None:
+        return None
+    return {"command": stale.get("command"), "pid": stale.get("pid"), "started_at": stale.get("started_at"),
+            "engines_left": candidates(svc, stale)}
+
+
+def _bring_back(svc, proc, sup, cut: dict | None = None) -> str:
+    """The command that brings a service that does not serve back, or finishes an interrupted one (status
+    says it; it runs nothing itself)."""
     policy = svc.policy.path
     if sup and sup.get("pid") and _alive(sup["pid"]):
         return f"supervise (PID {sup['pid']}) brings it back by itself"
+    if cut is not None:
+        return (f"restartkit start --policy {policy} (finishes the interrupted `restartkit {cut['command']}`"
+                + (", then finds it running)" if proc is not None else ")"))
     if proc is not None:
         return f"restartkit restart --policy {policy} (it runs but does not answer)"
     return (f"restartkit start --policy {policy}, or restartkit supervise --policy {policy} to keep it serving "
@@ -376,18 +401,6 @@ def supervise(policy_path, install_unit, unit_dir, watchdog_sec, unit_user):
         return
     svc.engine.progress = say
     sys.exit(Supervisor(svc, say=say).run())
-
-
-def _reconcile_if_free(svc) -> None:
-    """A read-only command still finishes an interrupted restart, when no other command holds the lock."""
-    from restartkit.errors import RestartkitError
-    if not (svc.state_dir / "intent.json").exists():
-        return
-    try:
-        with guarded(svc, "status"):
-            pass
-    except RestartkitError:  # busy, or a state dir we cannot write: report what is, change nothing
-        pass
 
 
 @main.command()

@@ -53,10 +53,14 @@ def plan_for(service: Service, requested: str, reason: str, overlap: bool | None
 
 def restart(service: Service, requested: str = "auto", reason: str = "restart", strict: bool = False,
             say: Callable[[str], None] = lambda _m: None, overlap: bool | None = None,
-            measure_downtime: bool = False, trigger: dict | None = None) -> Record:
+            measure_downtime: bool = False, trigger: dict | None = None, refuse_ineligible: bool = False) -> Record:
     """`trigger`: who asked and when they noticed (supervise); the record gets the time from
-    then to serving again."""
+    then to serving again.  `refuse_ineligible` (an operator's `restart --strategy X`, `--overlap`): what was
+    asked for by name and cannot run is refused before anything is touched (UsageError, exit 2), instead of
+    going straight to the recovery path."""
     plan, facts = plan_for(service, requested, reason, overlap)
+    if refuse_ineligible:
+        _refuse_what_cannot_run(service, plan, requested, overlap)
     if plan.overlap_dropped:
         say(plan.overlap_dropped)
     probe = None
@@ -84,6 +88,22 @@ def restart(service: Service, requested: str = "auto", reason: str = "restart", 
         if rec.final_state == "serving" and trigger.get("noticed_at"):
             rec.trigger["noticed_to_serving_s"] = round(time.time() - trigger["noticed_at"], 3)
     return _close(service, rec, strict)
+
+
+def _refuse_what_cannot_run(service: Service, plan: Plan, requested: str, overlap: bool | None) -> None:
+    """A strategy named on the command line that is not eligible (and cannot be forced), or an --overlap that
+    does not apply: refused, naming every reason, before the engine is touched."""
+    from restartkit.errors import UsageError
+    path = service.policy.path
+    if plan.goes_straight_to_recovery:
+        reasons = "; ".join(plan.verdicts[requested].reasons)
+        raise UsageError(f"{requested} cannot run now: {reasons}; nothing was touched",
+                         hint=f"each reason says what would make it eligible (`restartkit plan --policy {path} "
+                              f"--strategy {requested}` shows them); `restartkit restart --policy {path}` (auto) runs "
+                              "the fastest strategy that can")
+    if overlap and plan.overlap_dropped:
+        raise UsageError(f"{plan.overlap_dropped.replace(' this restart runs', ' so this restart would run')}; "
+                         "nothing was touched", hint="drop --overlap, or restart with ipc or standby")
 
 
 def _record_cut(service: Service, rec: Record, cut: Cut, say) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from restartkit.commands.supervise import FIRST_START
 from restartkit.facts import CriuFacts, HostFacts, criu_facts
 from restartkit.strategies.base import BaseStrategy
 from tests.conftest import RESTARTKIT, ROOT, run_cli
@@ -220,7 +221,14 @@ class Supervised:
         return json.loads(run_cli("status", "--policy", self.policy, "--json").stdout)
 
     def records(self) -> list[dict]:
+        """The records of what supervise did after its first start (that one: first_start())."""
+        return [r for r in self.all_records() if (r.get("trigger") or {}).get("what") != FIRST_START]
+
+    def all_records(self) -> list[dict]:
         return json.loads(run_cli("history", "--policy", self.policy, "--json").stdout)["records"]
+
+    def first_start(self) -> dict | None:
+        return next((r for r in self.all_records() if (r.get("trigger") or {}).get("what") == FIRST_START), None)
 
     def wait_record(self, n: int, timeout: float = 120) -> dict:
         end = time.monotonic() + timeout

@@ -89,16 +89,24 @@ def test_auto_falls_to_cold_and_plan_lists_every_strategy(make_policy, service_c
     assert all(s["reasons"] for s in plan["strategies"] if not s["eligible"])
 
 
-def test_forced_ineligible_strategy_is_a_recorded_recovery(make_policy, service_cleanup):
+@pytest.mark.parametrize("args", [["--strategy", "ipc"], ["--strategy", "ipc", "--strict"],
+                                  ["--strategy", "standby"], ["--strategy", "criu", "--strict"],
+                                  ["--strategy", "cold", "--overlap"]])
+def test_a_named_strategy_that_cannot_run_is_refused_before_anything_is_touched(make_policy, service_cleanup, args):
+    """Once, these restarted cold and exited 0 (or 3): a success the operator did not ask for.  Now: exit 2,
+    every reason, what would make it run, and the serving engine untouched (same PID, no record)."""
     policy = make_policy()
     start(policy, service_cleanup)
-    r = run_cli("restart", "--policy", policy, "--strategy", "ipc", "--strict", "--json")
-    assert r.returncode == 3, r.stderr  # serving, but only through recovery
-    rec = json.loads(r.stdout)
-    assert rec["final_state"] == "serving" and rec["via_recovery"]
-    assert "ipc is not eligible" in rec["recovery_reason"]
-    assert [a["role"] for a in rec["attempts"]] == ["primary", "recovery"]
-    assert rec["proof"]["canary_identical"] is True
+    before = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
+    r = run_cli("restart", "--policy", policy, *args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "nothing was touched" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    if "--overlap" in args:
+        assert "--overlap applies to ipc and standby restarts only" in r.stderr, r.stderr
+    else:
+        assert f"{args[1]} cannot run now" in r.stderr and f"restartkit plan --policy {policy}" in r.stderr, r.stderr
+    after = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
+    assert after["serving"] and after["pid"] == before["pid"] and after["last_restart"] == before["last_restart"]
 
 
 def test_port_in_use_is_named(make_policy, service_cleanup):

@@ -131,8 +131,11 @@ def test_restartkit_killed_while_the_weights_are_released_is_reconciled(on_cache
     os.killpg(p.pid, signal.SIGKILL)
     p.wait(30)
     time.sleep(0.5)
+    st = json.loads(run_cli("status", "--policy", policy, "--json").stdout)  # reports it, changes nothing
+    assert st["interrupted"]["command"] == "snapshot create" and st["interrupted"]["engines_left"] == [before], st
+    assert run_cli("start", "--policy", policy).returncode == 0  # reconciles: the weights and KV cache come back
     st = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
-    assert st["serving"] and st["pid"] == before, st
+    assert st["serving"] and st["pid"] == before and st["interrupted"] is None, st
     rec = json.loads(run_cli("restart", "--policy", policy, "--strategy", "ipc", "--json").stdout)
     assert rec["proof"]["canary_identical"] is True
 

@@ -131,7 +131,8 @@ def test_a_signal_during_a_criu_restart_ends_it_at_a_safe_point(served, sig):
     else:
         assert p.returncode == 128 + sig and rec["attempts"][-1]["interrupted"] == name, (p.returncode, rec)
         assert engines_on(policy) == [] or rec["final_state"] == "serving"
-    assert_clean(policy)  # `status` reconciles a cut restart: the service serves again
+    assert run_cli("start", "--policy", policy).returncode == 0  # reconciles a cut restart: it serves again
+    assert_clean(policy)
     assert not snapshot_listing(policy)[-1]["suspect"]
 
 
@@ -146,9 +147,12 @@ def test_sigkill_during_a_criu_restore_is_reconciled_by_the_next_command(served)
     os.killpg(p.pid, signal.SIGKILL)
     p.wait(10)
     assert (state_dir(policy) / "intent.json").exists()
-    r = run_cli("status", "--policy", policy, "--json")
+    st = status(policy)  # reports the killed restart and names the command that finishes it; acts on nothing
+    assert st["interrupted"]["command"] == "restart" and st["next"].startswith("restartkit start"), st
+    assert (state_dir(policy) / "intent.json").exists()
+    r = run_cli("start", "--policy", policy, "--json")
     assert "interrupted `restartkit restart`" in r.stderr and "reconciling" in r.stderr, r.stderr
-    assert json.loads(r.stdout)["serving"], r.stdout + r.stderr
+    assert status(policy)["serving"], r.stdout + r.stderr
     assert_clean(policy)
     rec = last_record(policy)
     assert rec["final_state"] == "serving" and "was interrupted" in rec["recovery_reason"], rec
@@ -170,7 +174,8 @@ def test_sigkill_after_the_kv_cache_drop_of_a_snapshot_is_given_back(served):
     p.wait(10)
     subprocess.run(["pkill", "-KILL", "-f", f"criu dump --tree {pid}"], check=False)
     time.sleep(0.5)
-    st = status(policy)  # reconciles: the engine gets its KV cache back and is adopted
+    assert run_cli("start", "--policy", policy).returncode == 0  # reconciles: the KV cache back, the engine adopted
+    st = status(policy)
     assert st["serving"] and st["pid"] == pid, st
     assert_clean(policy)
 

@@ -90,10 +90,9 @@ def test_fallback_off_fails_the_start_naming_the_field(make_policy, sockdir, pre
                          extra=f'\n[ipc]\nsocket_dir = "{sockdir}"\nfallback = false\nstate_timeout_s = 2.0\n')
     service_cleanup(policy)
     assert run_cli("start", "--policy", policy).returncode == 0
-    code, rec = restart(policy, "--strategy", "ipc", "--strict")
-    # ipc is not eligible (quantization differs): straight to recovery, serving cold, exit 3 under --strict
-    assert code == 3 and rec["final_state"] == "serving" and rec["via_recovery"]
-    assert "quantization differs" in rec["recovery_reason"]
+    r = run_cli("restart", "--policy", policy, "--strategy", "ipc", "--strict")
+    # ipc is not eligible (quantization differs): refused by name, nothing touched
+    assert r.returncode == 2 and "quantization differs" in r.stderr, r.stdout + r.stderr
     # and an engine started with fallback off against that daemon fails, naming the field
     from restartkit.errors import EngineStartError
     from restartkit.policy import load_policy

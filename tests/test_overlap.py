@@ -42,8 +42,9 @@ def overlap_service(make_policy, tmp_path, service_cleanup):
 class Hammer(threading.Thread):
     """A client asking the same greedy question over and over."""
 
-    def __init__(self, port):
+    def __init__(self, port, timeout_s=2.0):
         super().__init__(daemon=True)
+        self.timeout_s = timeout_s
         self.url = f"http://127.0.0.1:{port}/v1/completions"
         self.results = []  # (time, kind, tokens, engine)
         self.stop = threading.Event()
@@ -54,7 +55,7 @@ class Hammer(threading.Thread):
             t = time.monotonic()
             req = urllib.request.Request(self.url, data=body, method="POST")
             try:
-                with urllib.request.urlopen(req, timeout=2.0) as r:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
                     out = json.loads(r.read())
                 self.results.append((t, "ok", out["choices"][0]["token_ids"], out["system_fingerprint"]))
             except urllib.error.HTTPError as e:
@@ -65,6 +66,42 @@ class Hammer(threading.Thread):
                 self.results.append((t, kind, None, None))
             time.sleep(0.01)
 
+
+
+def test_an_old_engine_frozen_mid_overlap_is_killed_once_the_new_one_serves(overlap_service):
+    """The old engine SIGSTOPped while the new one prepares: once the stop waited the old engine's whole stop
+    timeout (the restart took 19.2 s, a client waited 15.4 s).  A frozen engine drains nothing: it is killed
+    as soon as it is found frozen, what it held fails fast; the restart ends within 12 s and no client waits
+    6 s."""
+    policy, _ = overlap_service
+    old_pid = json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]
+    intent = policy.parent / "state" / "svc" / "intent.json"
+    hammer = Hammer(port_of(policy), timeout_s=6.0)
+    hammer.start()
+    time.sleep(0.5)
+    p = subprocess.Popen([sys.executable, "-m", "restartkit.cli", "restart", "--policy", str(policy), "--strategy",
+                          "ipc", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        end = time.monotonic() + 60
+        while not (intent.exists() and json.loads(intent.read_text() or "{}").get("pids")):  # the new one spawned
+            assert time.monotonic() < end and p.poll() is None, "the restart never started a new engine"
+            time.sleep(0.005)
+        os.kill(old_pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        out, err = p.communicate(timeout=60)
+        took = time.monotonic() - frozen_at
+    finally:
+        hammer.stop.set()
+        hammer.join(10)
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, out + err
+    rec = json.loads(out)
+    assert rec["served_by"] == "ipc" and rec["proof"]["canary_identical"] is True, rec
+    assert took < 12, (took, err)
+    assert not os.path.exists(f"/proc/{old_pid}") or open(f"/proc/{old_pid}/stat").read().split()[2] == "Z"
+    assert not [x for x in hammer.results if x[1] == "timeout"], "a client waited 6 s"
+    assert len({tuple(x[2]) for x in hammer.results if x[1] == "ok"}) == 1, "a wrong answer"
 
 def port_of(policy):
     return int(policy.read_text().split("port = ")[1].split()[0])

@@ -309,9 +309,11 @@ def test_restartkit_killed_during_a_promotion_is_reconciled_by_the_next_command(
         p.wait(10)
     finally:
         os.kill(sb, signal.SIGCONT)
-    r = run_cli("status", "--policy", policy, "--json")
-    st = json.loads(r.stdout)
-    assert "interrupted `restartkit restart`" in r.stderr and st["serving"] and st["pid"] != sb, (r.stderr, st)
+    assert json.loads(run_cli("status", "--policy", policy, "--json").stdout)["interrupted"]["command"] == "restart"
+    r = run_cli("start", "--policy", policy, "--json")  # reconciles the killed restart
+    assert "interrupted `restartkit restart`" in r.stderr, r.stderr
+    st = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
+    assert st["serving"] and st["pid"] != sb, (r.stderr, st)
     assert st["standby"] is None and listeners(port_of(policy)) == [st["pid"]]
     wait_for(lambda: gone(sb), 15)
 
@@ -379,9 +381,9 @@ def test_supervise_killed_during_a_crash_promotion_is_reconciled_by_the_next_com
         s.proc.wait(10)
     finally:
         os.kill(sb, signal.SIGCONT)
-    r = run_cli("status", "--policy", policy, "--json")
-    st = json.loads(r.stdout)
+    r = run_cli("start", "--policy", policy, "--json")  # reconciles what the killed supervise left
     assert "interrupted `restartkit supervise restart (crash)`" in r.stderr, r.stderr
+    st = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
     assert st["serving"] and st["pid"] not in (sb, engine) and st["standby"] is None, (r.stderr, st)
     assert listeners(port_of(policy)) == [st["pid"]]
     wait_for(lambda: gone(sb), 15)

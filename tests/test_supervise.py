@@ -249,3 +249,17 @@ def test_units_quote_a_policy_path_by_systemds_rules_and_refuse_a_newline(make_p
     shutil.copy(make_policy(), newline)
     r = run_cli("supervise", "--policy", newline, "--install-unit", "--unit-dir", units)
     assert r.returncode == 2 and "cannot carry it" in r.stderr, r.stderr
+
+
+def test_the_first_start_attaches_from_a_warm_cache_and_is_recorded(make_policy, sockdir, preloads, supervised):
+    """supervise's first start once was always cold, whatever the weight cache held (on the H200: a second
+    copy of the weights on the device for a while, 9.7 s instead of about 3.7 s), and left no record.  It
+    now runs the restart flow: the weight cache's ipc start path, proven (an IPC hit), recorded."""
+    policy = ipc_policy(make_policy, sockdir)
+    start_preload(policy, preloads)
+    s = supervised(policy)
+    rec = s.first_start()
+    assert rec is not None and rec["final_state"] == "serving" and rec["served_by"] == "ipc", rec
+    assert rec["attempts"][-1]["proof"]["ipc"] == "hit" and not rec["via_recovery"], rec["attempts"][-1]
+    st = s.status()
+    assert st["serving"] and st["supervisor"]["restarts"] == [] and s.records() == [], st

@@ -97,7 +97,13 @@ def test_an_intent_never_kills_a_pid_restartkit_did_not_start(make_policy):
     victim = subprocess.Popen(["sleep", "300"])
     try:
         state = plant_intent(policy, victim.pid, proc_start_ticks(victim.pid))
-        r = run_cli("status", "--policy", policy)
+        # status only reports the interrupted restart, and names the command that finishes it
+        r = run_cli("status", "--policy", policy, "--json")
+        st = json.loads(r.stdout)
+        assert r.returncode == 1 and st["interrupted"]["command"] == "restart", r.stdout + r.stderr
+        assert st["interrupted"]["engines_left"] == [] and st["next"].startswith("restartkit start --policy")
+        assert (state / "intent.json").exists() and victim.poll() is None  # status touched nothing
+        r = run_cli("stop", "--policy", policy)  # a command that may act reconciles
         assert "Traceback" not in r.stderr, r.stderr
         assert victim.poll() is None, "reconcile killed a process restartkit did not start"
         assert not (state / "intent.json").exists()  # reconciled: nothing of ours was left

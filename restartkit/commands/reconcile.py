@@ -42,7 +42,7 @@ def meant_to_serve(stale: dict) -> bool:
     """The interrupted command would have left the service serving: a serving command on a service that
     served when it began, or supervise's restart of one that crashed (it did not serve, and was to)."""
     command = str(stale.get("command", ""))
-    return command.startswith("supervise restart") or (command in SERVING_COMMANDS and stale.get("was_serving", True))
+    return command.startswith(("supervise restart", "supervise start")) or (command in SERVING_COMMANDS and stale.get("was_serving", True))
 
 
 def reconcile(service, say: Callable[[str], None], stopping: bool = False) -> dict | None:

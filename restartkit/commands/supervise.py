@@ -46,7 +46,8 @@ from restartkit.process.procfs import argv, holder_alive, kill_tree, proc_start_
 from restartkit.process.seam import Cut, cuttable
 from restartkit.process.states import ProcState
 
-EXIT_GAVE_UP = 1  # what systemd's Restart=on-failure and Kubernetes act on
+EXIT_GAVE_UP = 1
+FIRST_START = "the first start under supervise"  # the trigger of its record (the reason planned for: crash)  # what systemd's Restart=on-failure and Kubernetes act on
 
 
 class Supervisor:
@@ -293,6 +294,9 @@ class Supervisor:
 
     # ---- actions -------------------------------------------------------------------
     def _first_start(self) -> bool:
+        """Adopt the engine that serves; else start it through the restart flow, as after a crash: the best
+        eligible strategy's start path (a warm weight cache attaches instead of a second copy loading from
+        disk, a tested snapshot restores), its proof, and its record in history.jsonl (FIRST_START)."""
         svc = self.service
         with guarded(svc, "supervise", self._lock_wait(), self.say, defer_signals=False):
             proc = svc.current()
@@ -301,18 +305,13 @@ class Supervisor:
                 self.say(f"{svc.policy.name}: adopted the serving engine (PID {proc.pid})" + (
                     "; it listens on a socket of its own: until it is replaced, a crash refuses connections"
                     if svc.engine.hold and svc.engine.held is None else ""))
-            else:
-                if proc is not None:
-                    svc.engine.stop()
-                try:
-                    started = svc.engine.start("cold")
-                    svc.canary()
-                except Exception as e:
-                    self.say(f"{svc.policy.name}: the engine did not start: {getattr(e, 'message', None) or e}")
-                    return False
-                self.say(f"{svc.policy.name}: serving (PID {started.process.pid}) after {started.ready_s:.2f} s")
-        self._save("serving")
-        return True
+                self._save("serving")
+                return True
+            if proc is not None:
+                svc.engine.stop()  # running, not answering: what replaces it starts on a free port
+        rec = self._restart("crash", {"by": "supervise", "what": FIRST_START, "noticed_at": time.time()},
+                            command="supervise start")
+        return rec is not None and rec.final_state == "serving"
 
     def _failure(self, what: str, pid: int | None, died: int | None = None) -> int | None:
         """A crash or a hang of the engine `pid` (still to be killed) or `died` (gone already): restart through
@@ -373,11 +372,12 @@ class Supervisor:
         self._restart("restart", {"by": "supervise", "what": "SIGHUP", "noticed_at": time.time()})
         self.notify.send("READY=1", self._status())
 
-    def _restart(self, reason: str, trigger: dict):
+    def _restart(self, reason: str, trigger: dict, command: str | None = None):
         svc = self.service
-        self.notify.send(f"STATUS=restarting ({reason}): {trigger['what']}")
+        self.notify.send(f"STATUS={'starting' if trigger['what'] == FIRST_START else f'restarting ({reason})'}: "
+                         f"{trigger['what']}")
         try:
-            with self._guarded(f"supervise restart ({reason})"):
+            with self._guarded(command or f"supervise restart ({reason})"):
                 if svc.engine.degraded:  # the restart flow writes its intent and records: a plain start instead
                     raise RuntimeError("the state dir cannot be written")
                 rec = self.restart(svc, "auto", reason=reason, say=self.say, trigger=trigger)
@@ -388,9 +388,11 @@ class Supervisor:
             if rec is None:
                 return None
         self._broker_up()
-        self.history.append({"at": time.time(), "reason": reason, "what": trigger["what"], "served_by": rec.served_by,
-                             "final_state": rec.final_state, "time_to_ready_s": rec.time_to_ready_s,
-                             "noticed_to_serving_s": (rec.trigger or {}).get("noticed_to_serving_s"), "record": rec.id})
+        if trigger["what"] != FIRST_START:  # supervisor.json's restarts: those after the first start
+            self.history.append({"at": time.time(), "reason": reason, "what": trigger["what"],
+                                 "served_by": rec.served_by, "final_state": rec.final_state,
+                                 "time_to_ready_s": rec.time_to_ready_s, "record": rec.id,
+                                 "noticed_to_serving_s": (rec.trigger or {}).get("noticed_to_serving_s")})
         self.say(f"{svc.policy.name}: {rec.final_state} by {rec.served_by}"
                  + (f" {rec.trigger['noticed_to_serving_s']:.2f} s after the failure was noticed"
                     if (rec.trigger or {}).get("noticed_to_serving_s") is not None else ""))

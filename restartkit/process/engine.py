@@ -19,7 +19,7 @@ import tenacity
 from restartkit.errors import EngineStartError
 from restartkit.http import HTTPFailure
 from restartkit.files import log_tail
-from restartkit.process.procfs import reap
+from restartkit.process.procfs import reap, stopped_in
 from restartkit.process.seam import Seam, safe_point
 from restartkit.process.states import ALLOWED, ProcState
 
@@ -192,6 +192,15 @@ class EngineProcess:
         if self.state not in (ProcState.STOPPING, ProcState.EXITED, ProcState.FATAL):
             self.to(ProcState.STOPPING)
         how = "stopped by SIGTERM" if signalled else "already gone"
+        frozen: list[int] = []
+
+        def gone_or_frozen() -> bool:
+            if not self.alive():
+                return True
+            if (p := stopped_in(self.pid)) is not None:
+                frozen.append(p)
+                return True
+            return False
         for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, kill_timeout_s)):
             if not self.alive():
                 break
@@ -202,7 +211,14 @@ class EngineProcess:
                 if self.state is ProcState.STOPPING:
                     self.to(ProcState.EXITED)
                 return how
-            how = "stopped by SIGTERM" if sig == signal.SIGTERM else f"did not stop within {timeout_s:.0f} s; killed"
+            if sig == signal.SIGTERM:
+                # a frozen tree (SIGSTOP) drains nothing and answers nothing: killed at once, what it holds
+                # failing fast, instead of hanging its clients for the whole stop timeout
+                self.seam.wait_until(gone_or_frozen, wait_s)
+                how = "stopped by SIGTERM"
+                continue
+            how = (f"frozen (PID {frozen[0]} stopped); killed without waiting for its stop timeout" if frozen
+                   else f"did not stop within {timeout_s:.0f} s; killed")
             self.seam.wait_until(lambda: not self.alive(), wait_s)
         if self.alive():
             raise RuntimeError(f"engine {self.pid} survived SIGKILL (uninterruptible sleep?)")

@@ -21,7 +21,7 @@ from restartkit.files import ensure_private_dir, write_json_atomic
 from restartkit.process import inflight, keeper, shm
 from restartkit.process.engine import EngineProcess
 from restartkit.process.procfs import (ancestors, argv, comm, create_time, kill_tree, listeners, owner,
-                                       port_has_listener, proc_start_ticks, tree_pids)
+                                       port_has_listener, proc_start_ticks, stopped_in, tree_pids)
 from restartkit.process.seam import Seam
 from restartkit.process.states import ProcState
 from restartkit.reference.serving.ready import READY_FD_ENV
@@ -397,8 +397,9 @@ class EngineLifecycle:
             pass
         deadline = t0 + r["stop_timeout_s"]
         if self.held is None:  # a held socket is never closed: the next engine starts now, and accepts beside it
-            self.seam.wait_until(lambda: not (proc.alive() and self.port_listening()), deadline - time.monotonic(), 0.005)
-        if self.held is None and proc.alive() and self.port_listening():  # ignored SIGTERM, holds the port: kill it
+            self.seam.wait_until(lambda: not (proc.alive() and self.port_listening()) or stopped_in(proc.pid) is not None,
+                                 deadline - time.monotonic(), 0.005)
+        if self.held is None and proc.alive() and self.port_listening():  # ignored SIGTERM or frozen (SIGSTOP): kill it
             h.how = proc.stop(timeout_s=0, signalled=True)
             h.exit_s = h.port_free_s = round(time.monotonic() - t0, 4)
             shm.sweep(left)
