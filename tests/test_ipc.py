@@ -40,11 +40,12 @@ def test_ipc_restart_is_a_hit_with_identical_canary(make_policy, sockdir, preloa
     assert rec["proof"]["canary_identical"] is True
     prom = (policy.parent / "state" / "svc" / "metrics.prom").read_text()
     assert prom_sample(prom, "restartkit_ipc_attach_total", service="svc", result="hit") == 1
-    if tp > 1:  # an overlapped restart is built for TP1 only: asked for at TP2, it says so and runs plainly
+    if tp > 1:  # an overlapped restart is built for TP1 only: asked for at TP2, it is refused, saying why
         r = run_cli("restart", "--policy", policy, "--strategy", "ipc", "--overlap", "--strict", "--json", timeout=120)
+        assert r.returncode == 2 and "tensor_parallel_size 1" in r.stderr and r.stdout == "", r.stdout + r.stderr
+        r = run_cli("restart", "--policy", policy, "--strategy", "ipc", "--strict", "--json", timeout=120)
         again = json.loads(r.stdout)  # --json: said in the record, stderr stays for errors
-        assert r.returncode == 0 and "tensor_parallel_size 1" in again["plan"]["overlap_dropped"], again["plan"]
-        assert again["attempts"][0]["proof"]["ranks"] == ["hit", "hit"]
+        assert r.returncode == 0 and again["attempts"][0]["proof"]["ranks"] == ["hit", "hit"], again
     status = json.loads(run_cli("weightcache", "status", "--policy", policy, "--json").stdout)
     engine_pid = json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]
     assert engine_pid in status["daemons"][0]["attached"]
@@ -104,15 +105,17 @@ def test_fallback_off_fails_the_start_naming_the_field(make_policy, sockdir, pre
     assert "quantization differs" in e.value.log_tail and "fallback is off" in e.value.log_tail
 
 
-def test_absent_daemon_is_recorded_as_fallback(make_policy, sockdir, service_cleanup):
+def test_ipc_named_with_no_daemon_is_refused(make_policy, sockdir, service_cleanup):
     policy = ipc_policy(make_policy, sockdir)
     service_cleanup(policy)
     assert run_cli("start", "--policy", policy).returncode == 0
     plan = json.loads(run_cli("plan", "--policy", policy, "--json").stdout)
     ipc = next(s for s in plan["strategies"] if s["strategy"] == "ipc")
     assert any("restartkit preload" in r for r in ipc["reasons"])
-    code, rec = restart(policy, "--strategy", "ipc", "--strict")
-    assert code == 3 and rec["served_by"] == "cold" and rec["proof"]["canary_identical"] is True
+    before = json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]
+    r = run_cli("restart", "--policy", policy, "--strategy", "ipc", "--strict")  # asked for by name: refused
+    assert r.returncode == 2 and "ipc cannot run now" in r.stderr and "restartkit preload" in r.stderr, r.stderr
+    assert json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"] == before
 
 
 def test_sigterm_leaves_nothing_behind(make_policy, sockdir, preloads):

@@ -171,9 +171,10 @@ def test_a_dead_standby_or_a_reason_it_cannot_serve_is_never_promoted(make_polic
     r = run_cli("restart", "--policy", policy, "--json")
     rec = json.loads(r.stdout)
     assert r.returncode == 0 and rec["served_by"] != "standby" and rec["proof"]["canary_identical"] is True, rec
-    r = run_cli("restart", "--policy", policy, "--strategy", "standby", "--json")  # asked for by name: its recovery
-    rec = json.loads(r.stdout)
-    assert rec["served_by"] == "cold" and rec["via_recovery"] and "is gone" in rec["recovery_reason"], rec
+    before = json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]
+    r = run_cli("restart", "--policy", policy, "--strategy", "standby", "--json")  # asked for by name: refused
+    assert r.returncode == 2 and "standby cannot run now" in r.stderr and "is gone" in r.stderr, r.stderr
+    assert json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"] == before  # untouched
 
 
 def test_a_frozen_standby_is_never_promoted(make_policy, sockdir, preloads, service_cleanup):
@@ -351,9 +352,12 @@ def test_two_promotions_at_once_are_one_after_the_other(make_policy, sockdir, pr
     cmd = [sys.executable, "-m", "restartkit.cli", "restart", "--policy", str(policy), "--strategy", "standby",
            "--wait", "60", "--json"]
     procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    recs = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
-    assert sorted(r["served_by"] for r in recs) == ["cold", "standby"], recs  # the second found no standby
-    assert all(r["final_state"] == "serving" and r["proof"]["canary_identical"] is True for r in recs), recs
+    outs = [p.communicate(timeout=120) for p in procs]
+    codes = [p.returncode for p in procs]
+    assert sorted(codes) == [0, 2], (codes, outs)  # the second found no standby: refused, nothing touched
+    rec = json.loads(outs[codes.index(0)][0])
+    assert rec["served_by"] == "standby" and rec["proof"]["canary_identical"] is True, rec
+    assert "standby cannot run now" in outs[codes.index(2)][1], outs
     st = json.loads(run_cli("status", "--policy", policy, "--json").stdout)
     assert st["serving"] and listeners(port_of(policy)) == [st["pid"]]
 

@@ -311,6 +311,9 @@ class Supervisor:
                 svc.engine.stop()  # running, not answering: what replaces it starts on a free port
         rec = self._restart("crash", {"by": "supervise", "what": FIRST_START, "noticed_at": time.time()},
                             command="supervise start")
+        if rec is not None and rec.final_state != "serving":
+            errors = [a["error"] for a in rec.attempts if a.get("error") and not a.get("skipped")]
+            self.say(f"{svc.policy.name}: the engine did not start: {errors[-1] if errors else rec.recovery_reason}")
         return rec is not None and rec.final_state == "serving"
 
     def _failure(self, what: str, pid: int | None, died: int | None = None) -> int | None:
