@@ -4,10 +4,14 @@ or a restart honoured within stop_timeout_s and a few seconds, SIGHUP announced 
 `restartkit restart` by hand cut the same way."""
 import json
 import os
+import pwd
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -205,16 +209,22 @@ def test_the_service_unit_takes_its_listening_socket_from_a_socket_unit(make_pol
     verify(units / "restartkit-six.socket", units / "restartkit-six.service")
 
 
-def test_a_unit_for_another_user_gets_a_state_directory_and_is_refused_for_criu(make_policy, tmp_path):
+def test_a_unit_for_another_user_gets_a_state_directory_and_is_refused_for_criu(make_policy, tmp_path, request):
     """nobody's home is /nonexistent: a state root pinned there could never be made.  The unit keeps its
     state in StateDirectory= (systemd makes it for that user; restartkit reads $STATE_DIRECTORY), and the
     CLI prints the root an operator passes to run restartkit as that user."""
     units = tmp_path / "units"
     units.mkdir()
     policy = make_policy()
-    policy.write_text("\n".join(ln for ln in policy.read_text().splitlines() if not ln.startswith("state_dir")))
+    textfiles = Path(tempfile.mkdtemp(dir="/dev/shm")) / "textfiles"  # outside /tmp: made at install
+    request.addfinalizer(lambda: shutil.rmtree(textfiles.parent, ignore_errors=True))
+    policy.write_text("\n".join(ln for ln in policy.read_text().splitlines() if not ln.startswith("state_dir"))
+                      + f'\n[metrics]\ntextfile_dir = "{textfiles}"\n')
     r = run_cli("supervise", "--policy", policy, "--install-unit", "--unit-dir", units, "--user", "nobody")
     assert r.returncode == 0, r.stderr
+    made = textfiles.stat()  # ProtectSystem=strict skips a missing "-" ReadWritePaths: it is made, for nobody
+    assert made.st_uid == pwd.getpwnam("nobody").pw_uid and made.st_mode & 0o777 == 0o755, oct(made.st_mode)
+    assert f"ReadWritePaths=-{textfiles}\n" in (units / "restartkit-svc.service").read_text()
     engine = (units / "restartkit-svc.service").read_text()
     assert "User=nobody\nStateDirectory=restartkit\n" in engine and "RESTARTKIT_STATE_DIR" not in engine, engine
     assert "sudo -u nobody restartkit status --state-dir /var/lib/restartkit" in r.stdout, r.stdout

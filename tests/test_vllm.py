@@ -164,6 +164,11 @@ def test_vllm_launch_and_features():
     i = spec.argv.index("--model-loader-extra-config")
     assert spec.argv[i - 1] == "ipc_cache" and json.loads(spec.argv[i + 1])["fallback"] is False
     assert a.weight_cache_of(gpu) == "engine" and "health_port = 0" in a.standby_problem(gpu)
+    # a weights-less snapshot of a GPU vLLM: CUDA graphs off, or the snapshot is refused before the engine is touched
+    assert "--enforce-eager" in a.weightless_problem(gpu)
+    eager = parse_policy({"service": {"name": "v", "engine": "vllm", "model": "org/m", "device": "cuda",
+                                      "engine_args": ["--enforce-eager"]}})
+    assert a.weightless_problem(eager) is None
     # restartkit's weight cache (the default): its plugin's load format, the cache's keys and the identity
     cpu = parse_policy({"service": {"name": "v", "engine": "vllm", "model": "/m"}, "ipc": {"fallback": False}})
     args = a.ipc_args(cpu)

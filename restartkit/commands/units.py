@@ -114,6 +114,28 @@ def writable_paths(service, user: str | None) -> list[str]:
     return [os.path.abspath(p) for p in paths]
 
 
+def make_writable_paths(service, user: str | None) -> None:
+    """Make the ReadWritePaths= that do not exist yet (systemd skips a missing "-" path, and
+    ProtectSystem=strict would then refuse the first write there), for the unit's user.  Those under
+    /tmp are the daemons' to make at run time; a directory that exists is left as it is."""
+    if needs_criu(service):
+        return
+    from restartkit.policy import expand
+    textfiles = service.policy.sections["metrics"]["textfile_dir"]
+    for path in writable_paths(service, user):
+        if any(path == t or path.startswith(t + "/") for t in TMP_DIRS) or os.path.isdir(path):
+            continue
+        shared = bool(textfiles) and path == os.path.abspath(expand(textfiles))
+        try:
+            os.makedirs(path, mode=0o755 if shared else 0o700)  # the exporter reads the textfiles
+            if user:
+                entry = pwd.getpwnam(user)
+                os.chown(path, entry.pw_uid, entry.pw_gid)
+        except OSError as e:
+            raise UsageError(f"cannot make {path}, which the unit writes: {e.strerror}",
+                             hint="make it by hand for the unit's user, or choose another path in the policy") from None
+
+
 def hardening(service, user: str | None) -> str:
     """The sandbox of a unit without CRIU (systemd-analyze security scores it about 2-3, where a unit
     without any scored 9.6): read-only system and homes but for what it writes, no capabilities, no new
@@ -180,6 +202,7 @@ def supervise_units(service, unit_dir: str, watchdog_s: int = 0, user: str | Non
     d = Path(unit_dir)
     cache = (d / cache_unit(name)).exists()
     _same_user(d / cache_unit(name), user, "its weight cache's unit")
+    make_writable_paths(service, user)
     path = d / engine_unit(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     sock = d / socket_unit(name)
@@ -226,6 +249,7 @@ def weight_cache_unit(service, unit_dir: str, user: str | None = None) -> Path:
     name = service.policy.name
     path = Path(unit_dir) / cache_unit(name)
     _same_user(Path(unit_dir) / engine_unit(name), user, "its engine's unit")
+    make_writable_paths(service, user)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"""[Unit]
 Description=restartkit: the weight cache of {name} (its engine's unit starts once it holds the weights)

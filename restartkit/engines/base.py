@@ -159,6 +159,12 @@ class EngineAdapter:
     # again after (a weights-less snapshot, restored by the criu+ipc strategy)?
     weightless_snapshots = False
 
+    def weightless_problem(self, policy) -> str | None:
+        """Why this service's engine cannot release its weights before a dump (None: it can)."""
+        if not self.weightless_snapshots:
+            return f"the {self.name} adapter cannot release its weights before a dump"
+        return None
+
     # can the engine give up the service's held socket before a dump and take it back after, serving
     # restartkit's admin calls on a private port meanwhile (restartkit.reference.serving.detach)?
     detaches_listener = False

@@ -69,6 +69,15 @@ class VLLMAdapter(EngineAdapter):
                     "from restartkit's: set health_port = 0 and run `restartkit preload`")
         return None
 
+    def weightless_problem(self, policy) -> str | None:
+        """A GPU vLLM's CUDA graphs keep the addresses of the weights they captured: released and re-attached
+        elsewhere, a replay would read freed memory (the worker extension refuses the release too)."""
+        args = policy.service["engine_args"]
+        if policy.service["device"] == "cuda" and "--enforce-eager" not in args:
+            return ("a GPU vLLM releases its weights before a dump only without CUDA graphs: add \"--enforce-eager\" "
+                    "to [service] engine_args")
+        return None
+
     def ipc_log_verdict(self, policy, text: str) -> dict:
         s = policy.service
         return parse_ipc_log(text, s["tensor_parallel_size"] * s["data_parallel_size"])

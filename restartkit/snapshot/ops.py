@@ -165,9 +165,8 @@ def create(service, facts, leave_running: bool = True, progress: Callable[[str],
 
 def _preflight(service, facts, pid: int, pids: list[int], weightless: bool, progress) -> None:
     """Every reason the engine cannot be snapshotted, before anything is touched."""
-    if weightless and not service.adapter.weightless_snapshots:
-        raise UsageError(f"the {service.adapter.name} adapter cannot release its weights before a dump, so a "
-                         "snapshot without the weights cannot be taken",
+    if weightless and (problem := service.adapter.weightless_problem(service.policy)):
+        raise UsageError(f"{problem}, so a snapshot without the weights cannot be taken",
                          hint="start the engine without the weight cache, or set [criu] weights = 'include'")
     if weightless and not (facts.of("criu").get("ipc_attached") or facts.of("criu").get("reattachable")):
         raise StrategyError("[criu] weights = 'exclude', but the engine loaded its weights from disk: there is no "
