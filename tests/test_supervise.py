@@ -263,3 +263,12 @@ def test_the_first_start_attaches_from_a_warm_cache_and_is_recorded(make_policy,
     assert rec["attempts"][-1]["proof"]["ipc"] == "hit" and not rec["via_recovery"], rec["attempts"][-1]
     st = s.status()
     assert st["serving"] and st["supervisor"]["restarts"] == [] and s.records() == [], st
+
+
+def test_every_state_of_supervise_has_a_step_and_every_step_names_a_state():
+    """The loop's states (supervisor's states.py shape): each but ENDED has its step, each step returns a Phase."""
+    import inspect
+    from restartkit.commands.supervise import Phase, Supervisor
+    assert set(Supervisor.STEPS) == set(Phase) - {Phase.ENDED}
+    for phase, step in Supervisor.STEPS.items():
+        assert inspect.signature(step).return_annotation in ("Phase", Phase), (phase, step)

@@ -23,11 +23,17 @@ own every WatchdogSec/4 as long as the main loop keeps within its step's budget,
 EXTEND_TIMEOUT_USEC while starting or stopping (restartkit.commands.sdnotify).  Another restartkit
 command may restart the engine meanwhile: its new engine is adopted (STATUS= names it), not
 treated as a crash.  State: supervisor.json in the state dir (`restartkit status` shows it).
+
+The loop is named states (Phase) and their steps (Supervisor.STEPS): STARTING -> FINDING <-> WATCHING,
+WATCHING -> RELOADING (SIGHUP) or RECOVERING (an exit, a hang) -> FINDING, or ENDED (given up); a
+SIGTERM cuts whichever runs (Cut) and the engine is stopped.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import enum
 import fcntl
 import os
 import select
@@ -48,6 +54,34 @@ from restartkit.process.states import ProcState
 
 EXIT_GAVE_UP = 1
 FIRST_START = "the first start under supervise"  # the trigger of its record (the reason planned for: crash)  # what systemd's Restart=on-failure and Kubernetes act on
+
+
+
+class Phase(enum.Enum):
+    """supervise's states (supervisor's states.py, uvicorn's run loop): each step runs the state it is in
+    and names the next; Supervisor.STEPS maps a state to its step."""
+    STARTING = "starting"  # the first start: adopt the engine that serves, or start one through the restart flow
+    FINDING = "finding"  # which process is the engine now (another command may have replaced it)
+    WATCHING = "watching"  # one turn on it: its exit, a signal, health checks, a completion, the standby
+    RELOADING = "reloading"  # SIGHUP: a planned restart
+    RECOVERING = "recovering"  # a crash or a hang: recovered at once, after a backoff, or given up on
+    ENDED = "ended"  # supervise exits with Watch.exit_code
+
+
+@dataclasses.dataclass
+class Watch:
+    """What one state hands the next: the engine watched, the health checks it missed in a row, when it
+    last completed a request, the failure to recover from, and the exit code once supervise ends."""
+    proc: object = None
+    last_pid: int | None = None  # the engine last watched (its keeper collects it when it dies)
+    misses: int = 0
+    last_completion: float = dataclasses.field(default_factory=time.monotonic)
+    failure: tuple[str, int | None, int | None] | None = None  # what, a PID still to kill, a PID gone already
+    exit_code: int | None = None
+
+    def fresh(self) -> None:
+        """A new engine, or one that is not ours to judge yet: its checks start over."""
+        self.misses, self.last_completion = 0, time.monotonic()
 
 
 class Supervisor:
@@ -84,12 +118,7 @@ class Supervisor:
         try:
             # SIGTERM/SIGINT end whatever runs at its next wait (a start, a restart, a lock wait), then the stop
             with cuttable(lambda: next(iter(self.service.interrupts), None)):
-                if not self._first_start():
-                    return self._give_up("the engine did not start")
-                self.beat.step(self._probe_budget(), Heartbeat.RUNNING)
-                self.notify.send("READY=1", self._status())
-                self._warm_up()
-                return self._watch()
+                return self._run_states()
         except Cut as cut:
             return self._stop(cut.name)
         finally:
@@ -166,76 +195,104 @@ class Supervisor:
         except Exception:
             pass
 
-    def _watch(self) -> int:
-        probes, last_pid = {"misses": 0, "last_completion": time.monotonic()}, None
-        while True:
-            self.beat.step(self._probe_budget())
-            proc = self.service.current()
-            if proc is None:  # gone between two looks (before its pidfd was open), or never came back
-                what = f"the engine (PID {last_pid}) exited" if last_pid else "the engine is not running"
-                died, last_pid = last_pid, None  # its keeper collected it
-                if (rc := self._failure(what, None, died)) is not None:
-                    return rc
-                continue
-            last_pid = proc.pid
-            try:
-                pidfd = os.pidfd_open(proc.pid)
-            except ProcessLookupError:
-                continue
-            try:
-                rc = self._look(proc, pidfd, probes)
-            finally:
-                os.close(pidfd)
-            if rc is not None:
-                return rc
+    def _run_states(self) -> int:
+        w, phase = Watch(), Phase.STARTING
+        while phase is not Phase.ENDED:
+            phase = self.STEPS[phase](self, w)
+        return w.exit_code
 
-    def _look(self, proc, pidfd: int, probes: dict) -> int | None:
-        """One turn of the watch on the engine `proc` (its pidfd open): its exit, a signal, its health and,
-        every completion_interval_s, a real completion.  `probes` carries the misses and the time of the
-        last completion from turn to turn.  Returns an exit code when supervise must end."""
-        exited = self._wait(pidfd, self.interval)
-        if self.signals:
-            sig = self.signals.popleft()
-            if sig == signal.SIGHUP:
-                self._planned_restart()
-                return None
-            raise Cut(sig)
-        if not exited and self._busy(proc):  # another command is restarting it, or it is still starting
-            probes.update(misses=0, last_completion=time.monotonic())
-            return None
-        if not exited:
-            self._keep_standby()
-            if proc.pid != self._serving_pid:  # another command restarted it, and it serves: ours from now on
-                self.say(f"{self.service.policy.name}: PID {proc.pid} serves now (started by another command); "
-                         "adopted")
-                self._save("serving")
-                self.notify.send(self._status())
+    def _starting(self, w: Watch) -> Phase:
+        if not self._first_start():
+            w.exit_code = self._give_up("the engine did not start")
+            return Phase.ENDED
+        self.beat.step(self._probe_budget(), Heartbeat.RUNNING)
+        self.notify.send("READY=1", self._status())
+        self._warm_up()
+        w.fresh()  # its checks count from now, not from before the start
+        return Phase.FINDING
+
+    def _finding(self, w: Watch) -> Phase:
+        self.beat.step(self._probe_budget())
+        w.proc = self.service.current()
+        if w.proc is None:  # gone between two looks (before its pidfd was open), or never came back
+            what = f"the engine (PID {w.last_pid}) exited" if w.last_pid else "the engine is not running"
+            w.failure, w.last_pid = (what, None, w.last_pid), None  # its keeper collected it
+            return Phase.RECOVERING
+        w.last_pid = w.proc.pid
+        return Phase.WATCHING
+
+    def _watching(self, w: Watch) -> Phase:
+        """One turn on the engine `w.proc` through its pidfd: its exit, a signal, its health and, every
+        completion_interval_s, a real completion."""
+        try:
+            pidfd = os.pidfd_open(w.proc.pid)
+        except ProcessLookupError:
+            return Phase.FINDING
+        try:
+            exited = self._wait(pidfd, self.interval)
+            if self.signals:
+                sig = self.signals.popleft()
+                if sig == signal.SIGHUP:
+                    return Phase.RELOADING
+                raise Cut(sig)
+            if not exited and self._busy(w.proc):  # another command is restarting it, or it is still starting
+                w.fresh()
+                return Phase.FINDING
+            if not exited:
+                self._keep_standby()
+                self._adopt(w.proc)
+            what = f"the engine (PID {w.proc.pid}) exited" if exited else self._verdict(w, pidfd)
+        finally:
+            os.close(pidfd)
+        if what is None:
+            return Phase.FINDING
+        w.failure = (what, w.proc.pid, None)
+        return Phase.RECOVERING
+
+    def _verdict(self, w: Watch, pidfd: int) -> str | None:
+        """What is wrong with the running engine (None: nothing): it exited while probed, missed health_misses
+        health checks in a row, or completed nothing; not a hang when it was put to sleep through restartkit."""
+        proc = w.proc
+        healthy = self._unless_exited(pidfd, self._healthy)
+        if healthy is None:
+            return f"the engine (PID {proc.pid}) exited"
+        w.misses = 0 if healthy else w.misses + 1
         what = None
-        if not exited:
-            healthy = self._unless_exited(pidfd, self._healthy)
-            exited = healthy is None
-            probes["misses"] = 0 if healthy else probes["misses"] + 1
-        if exited:
-            what = f"the engine (PID {proc.pid}) exited"
-        elif probes["misses"] >= self.cfg["health_misses"]:
-            what = f"the engine (PID {proc.pid}) missed {probes['misses']} health checks in a row"
-        elif time.monotonic() - probes["last_completion"] >= self.cfg["completion_interval_s"]:
+        if w.misses >= self.cfg["health_misses"]:
+            what = f"the engine (PID {proc.pid}) missed {w.misses} health checks in a row"
+        elif time.monotonic() - w.last_completion >= self.cfg["completion_interval_s"]:
             self.service.engine.note_shm(proc)  # what it made in /dev/shm since: removed after a crash too
             completes = self._unless_exited(pidfd, self._completes)
             if completes is None:
-                what = f"the engine (PID {proc.pid}) exited"
-            elif not completes:
-                what = (f"the engine (PID {proc.pid}) completed nothing within "
-                        f"{self.cfg['completion_timeout_s']:.0f} s")
-            probes["last_completion"] = time.monotonic()
-        if what is not None and not what.endswith("exited") and self._asleep(proc):  # `restartkit sleep`: no hang
-            probes.update(misses=0, last_completion=time.monotonic())
-            what = None
-        if what is None:
+                return f"the engine (PID {proc.pid}) exited"
+            if not completes:
+                what = f"the engine (PID {proc.pid}) completed nothing within {self.cfg['completion_timeout_s']:.0f} s"
+            w.last_completion = time.monotonic()
+        if what is not None and self._asleep(proc):  # `restartkit sleep`: no hang
+            w.fresh()
             return None
-        rc = self._failure(what, proc.pid)
-        probes.update(misses=0, last_completion=time.monotonic())
-        return rc
+        return what
+
+    def _adopt(self, proc) -> None:
+        """Another command restarted the engine, and it serves: ours from now on."""
+        if proc.pid != self._serving_pid:
+            self.say(f"{self.service.policy.name}: PID {proc.pid} serves now (started by another command); adopted")
+            self._save("serving")
+            self.notify.send(self._status())
+
+    def _reloading(self, w: Watch) -> Phase:
+        self._planned_restart()
+        return Phase.FINDING
+
+    def _recovering(self, w: Watch) -> Phase:
+        what, pid, died = w.failure
+        w.failure = None
+        w.exit_code = self._failure(what, pid, died)
+        w.fresh()  # not serving after it: the next turn finds nothing running, another failure, with backoff
+        return Phase.FINDING if w.exit_code is None else Phase.ENDED
+
+    STEPS = {Phase.STARTING: _starting, Phase.FINDING: _finding, Phase.WATCHING: _watching,
+             Phase.RELOADING: _reloading, Phase.RECOVERING: _recovering}
 
     def _unless_exited(self, pidfd: int, probe):
         """The probe's answer, or None when the engine exited first.  On the held socket a probe sent as
@@ -626,4 +683,4 @@ def read_state(state_dir) -> dict | None:
     return data if holder_alive(data) else None
 
 
-__all__ = ["Supervisor", "Notifier", "read_state", "EXIT_GAVE_UP"]
+__all__ = ["Supervisor", "Notifier", "Phase", "read_state", "EXIT_GAVE_UP"]
