@@ -12,7 +12,7 @@ import pytest
 
 from restartkit.commands.sdnotify import Notifier
 from tests.conftest import run_cli
-from tests.helpers import engines_on, gone, ipc_policy, start_preload
+from tests.helpers import engines_on, gone, ipc_policy, start_preload, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -57,6 +57,26 @@ def test_an_engine_that_cannot_start_again_trips_the_limit(supervised, make_poli
     assert s.proc.returncode == 1, out
     assert "giving up on svc: 3 failures within 600 s" in out and "the engine is left stopped" in out
     assert not s.status()["running"] and s.status()["supervisor"] is None
+
+
+def test_a_crash_after_serving_starts_the_count_of_failed_starts_over(supervised):
+    """start_limit_burst 1: an engine killed as soon as it serves is a failed start (one of one); one that served
+    past min_uptime_s (5 s) and crashed is recovered at once and starts the count over, so the next failed start
+    is the first again and supervise keeps going (without the reset it would be the second, and it would give up)."""
+    s = supervised(burst=1)
+
+    def kill_and_wait_for_the_next():
+        pid = s.status()["pid"]
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: (st := s.status())["serving"] and st["pid"] != pid, 90)
+
+    for served_first in (True, True):
+        if served_first:
+            time.sleep(6.0)  # past min_uptime_s: a crash while serving
+        kill_and_wait_for_the_next()
+        kill_and_wait_for_the_next()  # killed before min_uptime_s: a failed start
+    assert s.proc.poll() is None, s.proc.communicate(timeout=5)[0]
+    assert s.status()["serving"]
 
 
 def test_sigterm_stops_everything_and_sighup_restarts(supervised):

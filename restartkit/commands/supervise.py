@@ -398,7 +398,9 @@ class Supervisor:
         window = self.cfg["start_limit_interval_s"]
         served_s = time.monotonic() - self._serving_since
         if engine is not None and engine == self._serving_pid and served_s >= self.cfg["min_uptime_s"]:
-            # it served: a crash while serving, not a failed start; recovered at once, no backoff, no count
+            # it served: a crash while serving, not a failed start; recovered at once, no backoff, no count, and
+            # the crash loop before it (if any) is over: the backoff and the start limit start over
+            self.failures.clear()
             self.say(f"{self.service.policy.name}: it had served {served_s:.0f} s ([supervise] min_uptime_s = "
                      f"{self.cfg['min_uptime_s']:g}): recovering at once")
             if pid is not None:
