@@ -118,6 +118,28 @@ def test_ipc_named_with_no_daemon_is_refused(make_policy, sockdir, service_clean
     assert json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"] == before
 
 
+
+def test_a_stopped_weight_cache_is_named_at_once(make_policy, sockdir, preloads, service_cleanup):
+    """A daemon stopped by SIGSTOP still accepts (in the kernel) and answers nothing: plan names it from its
+    process state instead of waiting out its timeout, and ipc is not eligible; continued, it serves again."""
+    from restartkit.process.procfs import tree_pids
+    policy = ipc_policy(make_policy, sockdir)
+    service_cleanup(policy)
+    daemons = tree_pids(start_preload(policy, preloads).pid)
+    assert run_cli("start", "--policy", policy).returncode == 0
+    for pid in daemons:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        ipc = next(s for s in json.loads(run_cli("plan", "--policy", policy, "--json").stdout)["strategies"]
+                   if s["strategy"] == "ipc")
+        assert not ipc["eligible"] and any("is stopped (SIGSTOP)" in r and "kill -CONT" in r for r in ipc["reasons"]), ipc
+    finally:
+        for pid in daemons:
+            os.kill(pid, signal.SIGCONT)
+    ipc = next(s for s in json.loads(run_cli("plan", "--policy", policy, "--json").stdout)["strategies"]
+               if s["strategy"] == "ipc")
+    assert ipc["eligible"], ipc
+
 def test_sigterm_leaves_nothing_behind(make_policy, sockdir, preloads):
     policy = ipc_policy(make_policy, sockdir, service_extra="tensor_parallel_size = 2\n")
     launcher = start_preload(policy, preloads)

@@ -26,6 +26,9 @@ from restartkit.process.seam import Seam
 from restartkit.process.states import ProcState
 from restartkit.reference.serving.ready import READY_FD_ENV
 
+# how long a stop waits for a stopped engine's last helper processes to unmap its /dev/shm files
+SHM_RELEASE_S = 5.0
+
 
 @dataclass
 class Handover:
@@ -389,6 +392,7 @@ class EngineLifecycle:
             return h
         r = self.policy.restart
         left = self.shm_now(proc)  # removed once it has exited (the pidfile goes before that)
+        tree = set(tree_pids(proc.pid))
         t0 = time.monotonic()
         proc.to(ProcState.STOPPING)
         try:
@@ -414,7 +418,7 @@ class EngineLifecycle:
             except Exception as e:  # survived SIGKILL: the new engine's gate says so
                 h.how = f"{type(e).__name__}: {e}"
             h.exit_s = round(time.monotonic() - t0, 4)
-            shm.sweep(left)
+            shm.sweep(left, tree, wait_s=SHM_RELEASE_S)
         h.thread = threading.Thread(target=finish, daemon=True)
         h.thread.start()
         h.env = {"RESTARTKIT_AFTER_PID": f"{proc.pid}:{proc.create_time or ''}",
@@ -452,8 +456,8 @@ class EngineLifecycle:
             self.pidfile.unlink(missing_ok=True)
             return "not running"
         r = self.policy.restart
-        left = self.shm_now(proc)
+        left, tree = self.shm_now(proc), set(tree_pids(proc.pid))
         how = proc.stop(timeout_s=r["stop_timeout_s"])
-        shm.sweep(left)
+        shm.sweep(left, tree, wait_s=SHM_RELEASE_S)
         self.pidfile.unlink(missing_ok=True)
         return how

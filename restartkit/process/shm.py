@@ -12,6 +12,7 @@ Only the standard library: the lifecycle imports this on every start.
 from __future__ import annotations
 
 import os
+import time
 
 from restartkit.process.procfs import fd_targets, maps
 
@@ -39,25 +40,33 @@ def describe(pids: list[int]) -> list[dict]:
     return out
 
 
-def _in_use(paths: set[str]) -> set[str]:
-    """Which of `paths` some process still holds open or maps."""
-    used: set[str] = set()
+def _holders(paths: set[str]) -> dict[str, set[int]]:
+    """Which of `paths` some process still holds open or maps, and which processes."""
+    used: dict[str, set[int]] = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
         pid = int(d)
-        used.update(t for t in fd_targets(pid) if t in paths)
+        for t in fd_targets(pid):
+            if t in paths:
+                used.setdefault(t, set()).add(pid)
         for line in maps(pid):
             parts = line.split(None, 5)
             if len(parts) == 6 and parts[5].strip() in paths:
-                used.add(parts[5].strip())
-        if used >= paths:
-            break
+                used.setdefault(parts[5].strip(), set()).add(pid)
     return used
 
 
-def sweep(recorded: list[dict] | None) -> list[str]:
-    """Remove the recorded files of an engine that is gone; returns the paths removed."""
+def _in_use(paths: set[str]) -> set[str]:
+    """Which of `paths` some process still holds open or maps."""
+    return set(_holders(paths))
+
+
+def sweep(recorded: list[dict] | None, engine_pids: set[int] | frozenset = frozenset(), wait_s: float = 0.0) -> list[str]:
+    """Remove the recorded files of an engine that is gone; returns the paths removed.  A file some process
+    still holds or maps stays; for up to `wait_s` the sweep waits while those are among `engine_pids` (the
+    stopped engine's own processes: a helper may still be exiting when its main process is reaped, as vLLM's
+    engine core unmapping its queues last), never for another process."""
     candidates = {}
     for item in recorded or []:
         path = item.get("path") if isinstance(item, dict) else None
@@ -70,8 +79,13 @@ def sweep(recorded: list[dict] | None) -> list[str]:
             continue
     if not candidates:
         return []
+    deadline = time.monotonic() + wait_s
+    held = _holders(set(candidates))
+    while any(pids & engine_pids for pids in held.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        held = _holders(set(candidates))
     removed = []
-    for path in sorted(set(candidates) - _in_use(set(candidates))):
+    for path in sorted(set(candidates) - set(held)):
         try:
             os.unlink(path)
             removed.append(path)

@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from restartkit.process.procfs import proc_state
+
 MAX_FRAME = 256 * 1024 * 1024
 MAX_FDS = 8
 PROTOCOL_VERSION = 1
@@ -168,6 +170,9 @@ def request(path: str | Path, message: dict, timeout: float = 30.0, connect_time
         if peer_uid not in (os.getuid(), 0):  # a socket swapped in between our check and the connect
             raise ProtocolError(f"the process serving {path} (PID {peer_pid}) runs as uid {peer_uid}, not as you "
                                 f"({os.getuid()}) or root: refusing its answers")
+        if proc_state(peer_pid) in ("T", "t"):  # it accepted in the kernel, and would answer nothing until continued
+            raise ProtocolError(f"the weight-cache daemon serving {path} (PID {peer_pid}) is stopped (SIGSTOP): it "
+                                f"answers nothing; `kill -CONT {peer_pid}`, or restart `restartkit preload`")
         try:
             send(sock, message, timeout=timeout)
         except (BrokenPipeError, ConnectionResetError):
