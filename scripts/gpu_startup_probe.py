@@ -185,7 +185,7 @@ def par_warm_child(preset: str, threads: int) -> dict:
     model.allocate_kv_cache(1024)
     torch.cuda.synchronize()
     out["kv_cache_alloc"] = round(time.perf_counter() - s, 4)
-    from restartkit.reference.runtime.engine import capture_decode
+    from restartkit.reference.runtime.graphs import DecodeGraphs
     with torch.inference_mode():
         prompt = torch.tensor([1, 2, 3, 4], device=dev)
         for k in ("first_prefill", "second_prefill"):
@@ -193,7 +193,7 @@ def par_warm_child(preset: str, threads: int) -> dict:
             model(prompt, torch.arange(4, device=dev))[-1].float().cpu()
             out[k] = round(time.perf_counter() - s, 4)
         s = time.perf_counter()
-        capture_decode(model, dev)
+        DecodeGraphs(model, dev)
         torch.cuda.synchronize()
         out["graph_capture"] = round(time.perf_counter() - s, 4)
     return out
@@ -219,7 +219,7 @@ def child(preset: str, mode: str = "") -> dict:
 
     timed("cuda_init", lambda: torch.cuda.set_device(0))
     from restartkit.reference.model.checkpoint import PRESETS
-    from restartkit.reference.runtime.engine import capture_decode
+    from restartkit.reference.runtime.graphs import DecodeGraphs
     from restartkit.reference.model.llama import SINGLE
     from restartkit.reference.model.weights import build_model
     cfg = PRESETS[preset].config
@@ -234,7 +234,7 @@ def child(preset: str, mode: str = "") -> dict:
         prompt = torch.tensor([1, 2, 3, 4], device=dev)
         timed("first_prefill", lambda: model(prompt, torch.arange(4, device=dev))[-1].float().cpu())
         timed("first_decode", lambda: model(torch.tensor([5], device=dev), torch.tensor([4], device=dev))[0].cpu())
-        timed("graph_capture", lambda: capture_decode(model, dev))
+        timed("graph_capture", lambda: DecodeGraphs(model, dev))
         timed("second_prefill", lambda: model(prompt, torch.arange(4, device=dev))[-1].float().cpu())
     return {k: round(v, 4) for k, v in t.items()}
 
@@ -313,7 +313,7 @@ def candidate_child(preset: str, spec: str, with_ops: bool) -> dict:
         torch.cuda.set_device(0)
     patch_model(cands)
     from restartkit.reference.model.checkpoint import PRESETS
-    from restartkit.reference.runtime.engine import capture_decode
+    from restartkit.reference.runtime.graphs import DecodeGraphs
     from restartkit.reference.model.llama import SINGLE
     from restartkit.reference.model.weights import build_model
     cfg = PRESETS[preset].config
@@ -356,7 +356,7 @@ def candidate_child(preset: str, spec: str, with_ops: bool) -> dict:
         else:
             timed("first_prefill", lambda: model(prompt, positions(n))[-1].float().cpu())
         if cuda:  # as the engine: the capture runs the first decode steps eagerly
-            timed("graph_capture", lambda: capture_decode(model, dev))
+            timed("graph_capture", lambda: DecodeGraphs(model, dev))
         else:
             timed("first_decode", lambda: model(torch.tensor([5], device=dev), positions(1, n))[0].float().cpu())
         # restartkit's readiness probe: "ready?" is 7 tokens with BOS

@@ -8,6 +8,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
+def cache_positions(max_len: int) -> int:
+    """Positions a KV-cache slot holds: max_len, the spare one (restartkit.reference.model.llama), rounded up
+    to a multiple of 16, so attention kernels read the keys and their mask at aligned strides."""
+    return -(-(max_len + 1) // 16) * 16
+
 class UnsupportedConfig(ValueError):
     """A config.json key whose math the reference engine does not implement: refused, never dropped."""
 
@@ -199,7 +204,7 @@ class ModelConfig:
         router = h * self.num_local_experts
         per_layer = (attn + mlp) // tp_size + 2 * h + router
         weights = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h + self.num_hidden_layers * per_layer
-        cache = 2 * self.num_hidden_layers * slots * (max_len + 1) * (kv // tp_size)
+        cache = 2 * self.num_hidden_layers * slots * cache_positions(max_len) * (kv // tp_size)
         return weights * dtype_bytes, cache * dtype_bytes
 
     @classmethod

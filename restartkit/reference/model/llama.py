@@ -8,18 +8,25 @@ step has fixed shapes and can be captured as a CUDA graph.
 The KV cache has one slot per sequence the scheduler may run at once
 (restartkit.reference.sched).  A prefill runs one sequence's tokens in its
 slot; a decode step runs one token of each running sequence, each in its own
-slot, in one forward pass.  Attention always runs over a slot's whole cache
-with a position mask, which keeps decode shapes static (a CUDA graph of the
-step over every slot); for the model sizes used here that costs little.  Each
-slot has one more position than max_model_len: where a decode step over every
-slot writes the rows of the slots that are not decoding.
+slot, in one forward pass.  A CUDA graph of the step runs over the first B
+slots (the engine keeps one graph for each power of two up to max_num_seqs),
+attending to each slot's whole cache with a position mask, which keeps its
+shapes static.  Each slot has one more position than max_model_len (rounded
+up to 16): where a decode step writes the rows of slots that are not decoding.
+
+The decode step's elementwise work is fused on a GPU (restartkit.reference.
+model.kernels: the residual add with the next norm, rotary embedding with the
+KV-cache write, SwiGLU's product) and its attention is one
+scaled_dot_product_attention a layer: one step of an 8B model launches about
+12 kernels a layer instead of 36 (docs/BENCHMARKS.md).  On the CPU the same
+step is the plain torch form, equal to what transformers computes.
 
 A restarted engine pays, on its first forward pass, for every kind of GPU
 kernel it launches (the driver loads each kernel module on first use, 10-30 ms
 each on an H200), so the forward pass keeps the kinds few: rotary tables are
-computed on the host, RMSNorm is torch's fused rms_norm, and attention is two
-batched matmuls around a softmax.  scripts/gpu_startup_probe.py --candidates
-measures each choice.
+computed on the host, RMSNorm is torch's fused rms_norm, and a prefill's
+attention is two batched matmuls around a softmax.  scripts/gpu_startup_probe.py
+--candidates measures each choice.
 """
 from __future__ import annotations
 
@@ -30,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from restartkit.reference.model.config import ModelConfig, UnsupportedConfig  # noqa: F401 (the model's config)
+from restartkit.reference.model import kernels
+from restartkit.reference.model.config import ModelConfig, UnsupportedConfig, cache_positions  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -161,10 +169,20 @@ def rope_tables(head_dim: int, max_len: int, theta: float, dtype: torch.dtype,
     return cos.to(dtype).to(device), sin.to(dtype).to(device)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, head_dim]; cos, sin (first half negated): [T, head_dim] in x's dtype
-    half = x.shape[-1] // 2
-    return x * cos.unsqueeze(1) + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin.unsqueeze(1)
+apply_rope = kernels.rotate  # x [T, heads, head_dim]; cos, sin (first half negated) [T, head_dim] in x's dtype
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's query heads, q [B, n_kv, group, hd] (query head h reads KV head h // group), against its keys
+    and values [B, n_kv, span, hd] (head-major: strided batches read in place, no copy of the cache).  mask:
+    bool [B, span], True where a key is not seen: matrix products around a softmax in float32 (the CPU, and
+    what transformers computes); or an additive bias [B, 1, 1, span] in q's dtype: scaled_dot_product_attention,
+    one kernel a layer (a GPU)."""
+    if mask.dtype != torch.bool:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    scores = torch.matmul(q, keys.transpose(2, 3)).float() * q.shape[-1] ** -0.5
+    probs = scores.masked_fill(mask[:, None, None, :], float("-inf")).softmax(-1).to(q.dtype)
+    return torch.matmul(probs, values)
 
 
 class Attention(nn.Module):
@@ -180,25 +198,17 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=False)
         self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=False)
 
-    def decode(self, x, cos, sin, positions, slots, cache_k, cache_v, blocked):
-        """One token of each of B sequences: x [B, hidden], row b at positions[b] in slot slots[b] (None:
-        row b is slot b, every slot); cache_k, cache_v: [slots, n_kv, max_len, hd]; blocked: [B, max_len]."""
+    def decode(self, x, tables, positions, rows, gather, cache_k, cache_v, mask):
+        """One token of each of B sequences: x [B, hidden], row b at positions[b] in slot rows[b] of cache_k,
+        cache_v [slots, n_kv, positions, hd]; gather False: rows are the first B slots (read in place), True:
+        any slots (their keys gathered); tables: the rotary (cos, sin); mask: as `attend` takes it."""
         B, hd, n_kv = x.shape[0], self.head_dim, self.n_kv
-        group = self.n_heads // n_kv
-        q = apply_rope(self.q_proj(x).view(B, self.n_heads, hd), cos, sin)
-        k = apply_rope(self.k_proj(x).view(B, n_kv, hd), cos, sin)
-        v = self.v_proj(x).view(B, n_kv, hd)
-        rows = torch.arange(B, device=x.device) if slots is None else slots
-        cache_k[rows, :, positions] = k  # row b's KV heads at (its slot, its position)
-        cache_v[rows, :, positions] = v
-        span = blocked.shape[-1]  # the keys attended to: every position, or those up to the batch's last
-        keys = cache_k[:, :, :span] if slots is None else cache_k[:, :, :span].index_select(0, slots)
-        values = cache_v[:, :, :span] if slots is None else cache_v[:, :, :span].index_select(0, slots)
-        # per row and KV head: its group's query heads against that slot's keys [B, n_kv, span, hd] (head-major:
-        # a strided batch the matrix product reads in place, no copy of the cache)
-        scores = torch.matmul(q.view(B, n_kv, group, hd), keys.transpose(2, 3)).float() * hd ** -0.5
-        probs = scores.masked_fill(blocked[:, None, None, :], float("-inf")).softmax(-1).to(x.dtype)
-        out = torch.matmul(probs, values)  # [B, n_kv, group, hd]
+        q = kernels.rope_write_kv(self.q_proj(x).view(B, self.n_heads, hd), self.k_proj(x).view(B, n_kv, hd),
+                                  self.v_proj(x).view(B, n_kv, hd), *tables, positions, rows, cache_k, cache_v)
+        span = mask.shape[-1]  # the keys attended to: every position, or those up to the batch's last
+        keys, values = cache_k[:, :, :span], cache_v[:, :, :span]
+        keys, values = (keys.index_select(0, rows), values.index_select(0, rows)) if gather else (keys[:B], values[:B])
+        out = attend(q.view(B, n_kv, self.n_heads // n_kv, hd), keys, values, mask)  # [B, n_kv, group, hd]
         return self.par.reduce(self.o_proj(out.reshape(B, self.n_heads * hd)))
 
     def forward(self, x, cos, sin, positions, cache_k, cache_v, blocked):
@@ -230,7 +240,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x):
-        return self.par.reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        return self.par.reduce(self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x))))
 
 
 class Expert(nn.Module):
@@ -243,7 +253,7 @@ class Expert(nn.Module):
         self.w3 = nn.Linear(hidden, inter, bias=False)
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(kernels.silu_mul(self.w1(x), self.w3(x)))
 
 
 class SparseMoE(nn.Module):
@@ -289,9 +299,15 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache_k, cache_v, blocked)
         return x + self.feed_forward(self.post_attention_layernorm(x))
 
-    def decode(self, x, cos, sin, positions, slots, cache_k, cache_v, blocked):
-        x = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, positions, slots, cache_k, cache_v, blocked)
-        return x + self.feed_forward(self.post_attention_layernorm(x))
+    def decode(self, x, delta, tables, positions, rows, gather, cache_k, cache_v, mask):
+        """This layer's decode step on the residual stream x and the previous layer's output not yet added
+        (delta; None at the first layer): each add goes with the norm after it (kernels.add_rms_norm).
+        Returns (the stream, this layer's output not yet added)."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        x, h = kernels.add_rms_norm(x, delta, norm1.weight, norm1.eps)
+        attn = self.self_attn.decode(h, tables, positions, rows, gather, cache_k, cache_v, mask)
+        x, h = kernels.add_rms_norm(x, attn, norm2.weight, norm2.eps)
+        return x, self.feed_forward(h)
 
     def feed_forward(self, x):
         ff = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
@@ -335,12 +351,13 @@ class LlamaForCausalLM(nn.Module):
         position, `scratch`); returns its size in bytes."""
         cfg = self.config
         ref = self.lm_head.weight
-        shape = (cfg.num_hidden_layers, slots, cfg.num_key_value_heads // self.par.tp_size, max_len + 1, cfg.head_dim)
+        positions = cache_positions(max_len)
+        shape = (cfg.num_hidden_layers, slots, cfg.num_key_value_heads // self.par.tp_size, positions, cfg.head_dim)
         self.cache_k = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
         self.cache_v = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
         self.max_len, self.slots = max_len, slots
         self._cos, self._sin = rope_tables(cfg.head_dim, max_len + 1, cfg.rope_theta, ref.dtype, ref.device, cfg.rope)
-        self._key_pos = torch.arange(max_len + 1).to(ref.device)
+        self._key_pos = torch.arange(positions).to(ref.device)
         return 2 * self.cache_k.numel() * self.cache_k.element_size()
 
     @property
@@ -374,17 +391,21 @@ class LlamaForCausalLM(nn.Module):
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None,
                span: int | None = None) -> torch.Tensor:
-        """One token of each of B sequences: tokens, positions int64 [B], row b in slot slots[b] (None: every
-        slot, row b in slot b); `span`: attend to the first span positions only (more than the batch's
-        last; None: all, as a CUDA graph must).  Returns float32 logits [B, vocab]."""
-        cos = self._cos.index_select(0, positions)
-        sin = self._sin.index_select(0, positions)
-        blocked = self._key_pos[:span].unsqueeze(0) > positions.unsqueeze(1)
-        x = self.model.embed_tokens(tokens)
+        """One token of each of B sequences: tokens, positions int64 [B], row b in slot slots[b] (None: row b
+        in slot b, the first B slots, as a CUDA graph runs); `span`: attend to the first span positions only
+        (more than the batch's last; None: every position, as a CUDA graph must).  Returns float32 logits
+        [B, vocab]."""
+        rows = self._key_pos[: tokens.shape[0]] if slots is None else slots
+        mask = self._key_pos[:span].unsqueeze(0) > positions.unsqueeze(1)  # True: key j is past row b's position
+        if tokens.is_cuda:  # scaled_dot_product_attention's additive bias, made once for every layer
+            bias = torch.zeros(mask.shape, dtype=self.cache_k.dtype, device=tokens.device)
+            mask = bias.masked_fill_(mask, float("-inf"))[:, None, None, :]
+        x, delta = self.model.embed_tokens(tokens), None
         for i, layer in enumerate(self.model.layers):
-            x = layer.decode(x, cos, sin, positions, slots, self.cache_k[i], self.cache_v[i], blocked)
-        x = self.model.norm(x)
-        return self.lm_head(x).float()
+            x, delta = layer.decode(x, delta, (self._cos, self._sin), positions, rows, slots is not None,
+                                    self.cache_k[i], self.cache_v[i], mask)
+        norm = self.model.norm
+        return self.lm_head(kernels.add_rms_norm(x, delta, norm.weight, norm.eps)[1]).float()
 
 
 def init_std(cfg: ModelConfig, name: str) -> float:

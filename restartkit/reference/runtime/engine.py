@@ -14,6 +14,7 @@ import torch
 from restartkit.reference.model.checkpoint import DTYPES
 from restartkit.reference.model.llama import LlamaForCausalLM, ModelConfig, Parallel, UnsupportedConfig, check_parallel
 from restartkit.reference.model.weights import build_model, processed_weights
+from restartkit.reference.runtime.graphs import DecodeGraphs
 
 
 @dataclass
@@ -57,8 +58,7 @@ class Engine:
     phases: dict[str, float] = field(default_factory=dict)
     load_info: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    _graph: object = None
-    _static: dict = field(default_factory=dict)
+    _graphs: DecodeGraphs | None = None  # the decode step's CUDA graphs (one per batch size)
     scheduler: object = None  # restartkit.reference.sched.Scheduler, once serving
     is_draft: bool = False  # a draft model: one KV-cache slot, run by its model's speculative decoding
     draft: "Engine | None" = None  # a draft model: greedy requests decode speculatively with it
@@ -236,10 +236,10 @@ class Engine:
         self.generate([self.config.bos_token_id, 1, 2, 3], max_tokens=max_tokens)
 
     def capture_decode_graph(self) -> None:
-        self._graph, self._static = capture_decode(self.model, self.device)
+        self._graphs = DecodeGraphs(self.model, self.device)
 
     def drop_graph(self) -> None:
-        self._graph, self._static = None, {}
+        self._graphs = None
 
     # ---- generation: the steps the scheduler runs --------------------------------------------
     def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int | None = None,
@@ -291,20 +291,12 @@ class Engine:
     @torch.inference_mode()
     def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One token of each sequence (row b: `tokens[b]` at `positions[b]` in slot `slots[b]`) in one
-        forward pass; their logits [B, vocab].  With a decode graph: the graph's step over every slot,
-        the slots not decoding writing at their spare position."""
+        forward pass; their logits [B, vocab].  With decode graphs: the smallest graph that holds the
+        highest slot (restartkit.reference.runtime.graphs)."""
         if self.leads:
             self._broadcast(CMD_DECODE, [len(slots)], [*slots, *tokens, *positions])
-        if self._graph is not None:
-            st = self._static
-            st["tok_host"].zero_()
-            st["pos_host"].fill_(self.model.scratch)
-            st["tok_host"][slots] = torch.tensor(tokens)
-            st["pos_host"][slots] = torch.tensor(positions)
-            st["tok"].copy_(st["tok_host"])  # pageable host memory: the copy is done when this returns
-            st["pos"].copy_(st["pos_host"])
-            self._graph.replay()
-            return st["out"][torch.tensor(slots, device=self.device)]
+        if self._graphs is not None:
+            return self._graphs.run(slots, tokens, positions)
         dev = self.device
         return self.model.decode(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
                                  torch.tensor(slots, device=dev), span=max(positions) + 1)
@@ -501,26 +493,6 @@ def _trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-@torch.inference_mode()
-def capture_decode(model, dev: torch.device):
-    """A CUDA graph of one decode step over every KV-cache slot (row b: slot b; each row's token and
-    position as static inputs, a slot not decoding at its spare position), after two eager runs on a
-    side stream; returns (graph, {"tok", "pos", "out", "tok_host", "pos_host"})."""
-    tok_host = torch.zeros(model.slots, dtype=torch.long)
-    pos_host = torch.full((model.slots,), model.scratch, dtype=torch.long)
-    tok, pos = tok_host.to(dev), pos_host.to(dev)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            model.decode(tok, pos, None)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = model.decode(tok, pos, None)
-    return graph, {"tok": tok, "pos": pos, "out": out, "tok_host": tok_host, "pos_host": pos_host}
 
 
 def set_tensor(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ release) goes through `exclusive()`: no sequence joins, the running ones finish,
 """
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 from collections import deque
@@ -43,7 +44,7 @@ class Scheduler:
         self.max_num_seqs, self.max_waiting, self.prefill_chunk = max_num_seqs, max_waiting, prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.free_slots = list(range(max_num_seqs))
+        self.free_slots = list(range(max_num_seqs))  # a heap: a sequence takes the lowest free slot
         self.cond = threading.Condition()
         self.paused = 0  # exclusive() holders waiting or working
         self.unservable_since: float | None = None  # since when the waiting sequences wait for the engine
@@ -131,7 +132,7 @@ class Scheduler:
                 break
             self.unservable_since = None
             seq = self.waiting.popleft()
-            seq.slot = self.free_slots.pop()
+            seq.slot = heapq.heappop(self.free_slots)  # the lowest: one stream runs the one-row decode graph
             self.running.append(seq)
         return bool(self.running)
 
@@ -211,7 +212,7 @@ class Scheduler:
         """`finish` None: it finished and said so itself (speculative decoding)."""
         if seq in self.running:
             self.running.remove(seq)
-            self.free_slots.append(seq.slot)
+            heapq.heappush(self.free_slots, seq.slot)
         self._finish(seq, finish)
         with self.cond:
             self.cond.notify_all()  # an exclusive() waiting for the batch to empty
@@ -236,7 +237,7 @@ class Scheduler:
 def run_alone(engine, seq: Sequence) -> None:
     """Run one sequence to its end in this thread, in slot 0 (no scheduler is running: the warm-up)."""
     sched = Scheduler(engine, 1, 1)
-    seq.slot = sched.free_slots.pop()
+    seq.slot = heapq.heappop(sched.free_slots)
     sched.running.append(seq)
     while sched.running:
         sched.step()

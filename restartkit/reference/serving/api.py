@@ -499,7 +499,7 @@ class Handler(CompletionRoutes, UtilityRoutes, BaseHTTPRequestHandler):
                        reuse_port=getattr(self.server, "reuse_port", False) or st.prepared_mode or self.server.held,
                        held_socket=self.server.held,
                        weight_bytes=eng.weight_bytes(), kv_cache_bytes=eng.model.kv_cache_bytes,
-                       cuda_graph=eng._graph is not None)
+                       cuda_graph=eng._graphs is not None)
         if eng is not None and eng.scheduler is not None:
             s = eng.scheduler
             running, waiting = s.depth

@@ -1,0 +1,80 @@
+"""The decode step's elementwise work, fused: three kernels a layer instead of about twenty-five.
+
+One decode step of an 8B model on an H200 reads 16 GB of weights in about 3.8 ms; written as plain torch
+operations it launched about 36 kernels a layer, 1 160 a step, and each small kernel costs a few
+microseconds even inside a CUDA graph, so the step took 7-10 ms (docs/BENCHMARKS.md, issue 40).  Here:
+
+  - add_rms_norm: the residual add and the next RMSNorm (x + delta, then the norm of that), one kernel;
+  - rope_write_kv: rotary embedding of q and k, and k and v written into the KV cache, one kernel;
+  - silu_mul: SwiGLU's silu(gate) * up, one kernel.
+
+Each has a torch form, used on the CPU, where Triton is missing, and as the check of the kernels
+(scripts/gpu_decode_variants.py compares them on a GPU).  The kernels round where torch's elementwise
+operations round (to the activations' dtype after each operation), so they compute what the torch form
+computes, up to the order of the RMSNorm's sum.  Triton compiles each kernel on its first use and keeps it
+in its cache directory (~/.triton/cache): a restarted engine loads them from there.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+NO_TRITON_ENV = "RESTARTKIT_NO_TRITON"  # set (to anything): the torch forms everywhere
+
+
+@functools.lru_cache(maxsize=1)
+def _triton():
+    """The compiled kernels, or None where Triton is not installed (or switched off)."""
+    if os.environ.get(NO_TRITON_ENV):
+        return None
+    try:
+        from restartkit.reference.model import triton_kernels
+    except ImportError:
+        return None
+    return triton_kernels
+
+
+def fused(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels run for tensors like x (on a GPU, with Triton installed)."""
+    return x.is_cuda and _triton() is not None
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm(x + delta)) for x, delta [B, H]; delta None: (x, RMSNorm(x)).  The norm as
+    Hugging Face's Llama computes it: in float32, back to x's dtype, times the weight."""
+    if fused(x):
+        return _triton().add_rms_norm(x, delta, weight, eps)
+    if delta is not None:
+        x = x + delta
+    return x, weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [T, heads, head_dim] with cos, sin [T, head_dim] (sin's first half negated)."""
+    half = x.shape[-1] // 2
+    return x * cos.unsqueeze(1) + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin.unsqueeze(1)
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_table: torch.Tensor,
+                  sin_table: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                  cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
+    """One token of each of B sequences: q [B, heads, hd], k and v [B, kv_heads, hd]; row b at
+    positions[b] in slot rows[b] of cache_k, cache_v [slots, kv_heads, positions, hd].  Writes the
+    rotated k and v at (rows[b], :, positions[b]); returns the rotated q [B, heads, hd]."""
+    if fused(q):
+        return _triton().rope_write_kv(q, k, v, cos_table, sin_table, positions, rows, cache_k, cache_v)
+    cos, sin = cos_table.index_select(0, positions), sin_table.index_select(0, positions)
+    cache_k[rows, :, positions] = rotate(k, cos, sin)
+    cache_v[rows, :, positions] = v
+    return rotate(q, cos, sin)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up."""
+    if fused(gate):
+        return _triton().silu_mul(gate, up)
+    return F.silu(gate) * up

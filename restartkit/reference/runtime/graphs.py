@@ -1,0 +1,74 @@
+"""CUDA graphs of the decode step, one for each batch size the engine keeps.
+
+A graph of one decode step runs over the first B KV-cache slots: row b is slot b, its token and position read
+from static inputs; a slot not decoding among them writes at its spare position (LlamaForCausalLM.scratch).
+The engine keeps a graph for each power of two below its slot count and one for the slot count itself (8
+slots: 1, 2, 4, 8), all in one memory pool, and a step runs the smallest that holds its highest slot; the
+scheduler gives each sequence the lowest free slot, so one stream runs the one-row graph.
+
+What this buys, measured on an H200 at 8B shapes (docs/BENCHMARKS.md): a step over one row costs about 1 ms
+less than one over eight (attention over one slot's cache, not eight, and smaller products).  What it costs:
+a prompt's greedy tokens can depend on the batch size its step ran at (a matrix product's kernel is chosen
+by its row count), which is why restartkit's canary runs in a batch of its own (restartkit.reference.sched).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def graph_sizes(slots: int) -> list[int]:
+    """The batch sizes the engine captures: powers of two below `slots`, and `slots`."""
+    sizes, b = [], 1
+    while b < slots:
+        sizes.append(b)
+        b *= 2
+    return [*sizes, slots]
+
+
+class DecodeGraphs:
+    """The captured decode steps of one model and their static inputs (tokens and positions of every
+    slot: a pinned host buffer and its device copy)."""
+
+    def __init__(self, model, dev: torch.device):
+        self.model, self.scratch = model, model.scratch
+        self.sizes = graph_sizes(model.slots)
+        self.host = torch.zeros((2, model.slots), dtype=torch.long).pin_memory()
+        self.host[1].fill_(self.scratch)
+        self.inputs = self.host.to(dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outs: dict[int, torch.Tensor] = {}
+        self._capture(dev)
+
+    @torch.inference_mode()
+    def _capture(self, dev: torch.device) -> None:
+        """Each size after two eager runs on a side stream, the largest first, sharing one pool: only one
+        graph runs at a time, and each graph's output stays allocated, so no capture reuses another's."""
+        tok, pos = self.inputs[0], self.inputs[1]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for b in self.sizes:
+                for _ in range(2):
+                    self.model.decode(tok[:b], pos[:b], None)
+        torch.cuda.current_stream().wait_stream(stream)
+        pool = None
+        for b in reversed(self.sizes):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outs[b] = self.model.decode(tok[:b], pos[:b], None)
+            pool = graph.pool()
+            self.graphs[b] = graph
+
+    def run(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode step (row i: tokens[i] at positions[i] in slot slots[i]); the logits [len(slots), vocab]."""
+        b = next(size for size in self.sizes if size > max(slots))
+        tok, pos = [0] * b, [self.scratch] * b
+        for slot, t, p in zip(slots, tokens, positions):
+            tok[slot], pos[slot] = t, p
+        self.host[:, :b].copy_(torch.tensor([tok, pos]))
+        self.inputs.copy_(self.host)  # from pinned memory, before the replay on the same stream
+        self.graphs[b].replay()
+        out = self.outs[b]
+        if slots == list(range(b)):
+            return out
+        return out.index_select(0, torch.tensor(slots).to(out.device))
