@@ -6,8 +6,7 @@
 Builds the engine in this process (no HTTP) at 8 slots, then times (median of 50, synchronized):
   - the replay of each of the engine's decode graphs (B = 1, 2, 4, 8 rows) and Engine.decode end to end;
   - the capture of the graphs (what a start and a KV-cache restore pay);
-  - the step with q/k/v and gate/up each one matrix product (copies of the weights: what fusing them in the
-    processed weights would buy);
+  - one stream's time per token without HTTP: generate in this thread, and through a running scheduler;
   - the weights' read floor (a clone of their size, halved).
 Checks (greedy token equal, largest logit gap): the one-row graph against the eight-row one, the fused
 kernels against their torch form (restartkit.reference.model.kernels), eager against the graph.  On a CPU
@@ -39,34 +38,6 @@ def timed(fn, sync, n: int = 50) -> float:
     return statistics.median(times) * 1000
 
 
-def make_step(model, B: int, fused: list):
-    """The engine's decode step over the first B slots with q/k/v and gate/up each one matrix product (fused:
-    per layer, the concatenated weights)."""
-    import torch.nn.functional as F
-
-    from restartkit.reference.model import kernels
-    from restartkit.reference.model.llama import attend
-    cfg = model.config
-    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    rows = model._key_pos[:B]
-
-    def step(tok, pos, mask):
-        x, delta = model.model.embed_tokens(tok), None
-        for i, layer in enumerate(model.model.layers):
-            a = layer.self_attn
-            x, h = kernels.add_rms_norm(x, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
-            q, k, v = F.linear(h, fused[i][0]).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-            q = kernels.rope_write_kv(q.view(B, nh, hd), k.view(B, nkv, hd), v.view(B, nkv, hd), model._cos,
-                                      model._sin, pos, rows, model.cache_k[i], model.cache_v[i])
-            o = attend(q.view(B, nkv, nh // nkv, hd), model.cache_k[i][:B], model.cache_v[i][:B], mask)
-            norm = layer.post_attention_layernorm
-            x, h = kernels.add_rms_norm(x, a.o_proj(o.reshape(B, nh * hd)), norm.weight, norm.eps)
-            gate, up = F.linear(h, fused[i][1]).chunk(2, dim=-1)
-            delta = layer.mlp.down_proj(kernels.silu_mul(gate.contiguous(), up.contiguous()))
-        return model.lm_head(kernels.add_rms_norm(x, delta, model.model.norm.weight, model.model.norm.eps)[1]).float()
-    return step
-
-
 def check(got, want) -> str:
     same = bool((got.argmax(-1) == want.argmax(-1)).all())
     return f"greedy {'same' if same else 'DIFFERENT'}, max logit gap {float((got - want).abs().max()):.3g}"
@@ -81,20 +52,6 @@ def inputs(model, B: int, position: int, dev):
     mask = torch.zeros(B, 1, 1, L, dtype=model.cache_k.dtype, device=dev)
     mask.masked_fill_((key[None, :] > pos[:, None])[:, None, None, :], float("-inf"))
     return tok, pos, mask
-
-
-def graphed(fn, args):
-    import torch
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn(*args)
-    return g, out
 
 
 def kernels_per_step(fn, args) -> int:
@@ -160,19 +117,25 @@ def main() -> int:
                 rows.append((f"eager B={B}: {n} kernels fused, {n_plain} in torch form", 0.0, check(fast, plain)))
             rows.append((f"eager B={B} against the graph", 0.0, check(fast, ref[:B])))
         if gpu:
-            fused = [(torch.cat([ly.self_attn.q_proj.weight, ly.self_attn.k_proj.weight,
-                                 ly.self_attn.v_proj.weight]),
-                      torch.cat([ly.mlp.gate_proj.weight, ly.mlp.up_proj.weight])) for ly in m.model.layers]
-            for B in (1, 8):
-                step = make_step(m, B, fused)
-                args = inputs(m, B, 8, dev)
-                out = step(*args).float()
-                n = kernels_per_step(step, args)
-                graph, _ = graphed(step, args)
-                rows.append((f"+ fused q/k/v and gate/up, B={B} ({n} kernels)", timed(graph.replay, sync),
-                             check(out, ref[:B])))
-                del graph
-            del fused
+            def per_token(scheduled: bool) -> float:
+                """A 257-token greedy completion minus a 1-token one, over 256: in this thread, or through a
+                running scheduler (its thread steps, this one reads the events, as an HTTP handler does)."""
+                from restartkit.reference.sched.scheduler import Scheduler
+                if scheduled:
+                    eng.scheduler = Scheduler(eng, 8, 64)
+                    eng.scheduler.start()
+                try:
+                    def run(n):
+                        t0 = time.perf_counter()
+                        eng.generate([1, 5, 6], n, ignore_eos=True)
+                        return time.perf_counter() - t0
+                    return statistics.median((run(257) - run(1)) / 256 for _ in range(3)) * 1000
+                finally:
+                    if scheduled:
+                        eng.scheduler.stop()
+                        eng.scheduler = None
+            rows.append(("one stream per token, generate in this thread", per_token(False), ""))
+            rows.append(("one stream per token, through the scheduler", per_token(True), ""))
             buf = torch.empty(eng.weight_bytes() // 2, dtype=torch.bfloat16, device=dev)
             rows.append(("weights read floor (clone / 2)", timed(buf.clone, sync, n=10) / 2, ""))
     print(f"{d} KV heads; slots {m.cache_k.shape[1]}, positions {m.cache_k.shape[3]}")

@@ -64,10 +64,14 @@ def test_moe_preset_runs(tmp_path):
     assert "block_sparse_moe.experts.3.w2.weight" in " ".join(n for n, _ in eng.model.named_parameters())
 
 
-def textbook_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+def textbook_logits(model, tokens: torch.Tensor, model_dir) -> torch.Tensor:
     """The Hugging Face Llama forward written out plainly (no KV cache, rotate-half with a negation,
-    torch's attention with the KV heads repeated, RMSNorm by rsqrt of the mean square)."""
+    torch's attention with the KV heads repeated, RMSNorm by rsqrt of the mean square), from the
+    checkpoint's own tensors (the engine's are fused: q/k/v in one, gate/up in one)."""
     import torch.nn.functional as F
+
+    from restartkit.reference.model.checkpoint import iter_checkpoint
+    w = {name: t.float() for name, t in iter_checkpoint(model_dir)}
     cfg = model.config
     hd, T = cfg.head_dim, tokens.shape[0]
     group = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -84,17 +88,17 @@ def textbook_logits(model, tokens: torch.Tensor) -> torch.Tensor:
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
     x = model.model.embed_tokens.weight[tokens]
-    for layer in model.model.layers:
-        a = layer.self_attn
+    for i, layer in enumerate(model.model.layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         h = rms(layer.input_layernorm, x)
-        q = rope((h @ a.q_proj.weight.T).view(T, -1, hd)).transpose(0, 1)
-        k = rope((h @ a.k_proj.weight.T).view(T, -1, hd)).transpose(0, 1).repeat_interleave(group, 0)
-        v = (h @ a.v_proj.weight.T).view(T, -1, hd).transpose(0, 1).repeat_interleave(group, 0)
+        q = rope((h @ w[a + "q_proj.weight"].T).view(T, -1, hd)).transpose(0, 1)
+        k = rope((h @ w[a + "k_proj.weight"].T).view(T, -1, hd)).transpose(0, 1).repeat_interleave(group, 0)
+        v = (h @ w[a + "v_proj.weight"].T).view(T, -1, hd).transpose(0, 1).repeat_interleave(group, 0)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(T, -1)
-        x = x + o @ a.o_proj.weight.T
+        x = x + o @ w[a + "o_proj.weight"].T
         h = rms(layer.post_attention_layernorm, x)
-        m = layer.mlp
-        x = x + (F.silu(h @ m.gate_proj.weight.T) * (h @ m.up_proj.weight.T)) @ m.down_proj.weight.T
+        up, gate = h @ w[m + "up_proj.weight"].T, h @ w[m + "gate_proj.weight"].T
+        x = x + (F.silu(gate) * up) @ w[m + "down_proj.weight"].T
     return rms(model.model.norm, x) @ model.lm_head.weight.T
 
 
@@ -106,7 +110,7 @@ def test_forward_matches_the_textbook_llama(tiny_model):
     seq = [256, 10, 20, 30, 40, 50, 60, 70]
     with torch.inference_mode():
         got = eng.model(torch.tensor(seq), torch.arange(len(seq)))
-        want = textbook_logits(eng.model, torch.tensor(seq))
+        want = textbook_logits(eng.model, torch.tensor(seq), tiny_model)
     assert got.shape == want.shape
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
     # and decode step by step over the cache gives the same last row

@@ -21,11 +21,14 @@ from restartkit import __version__
 from restartkit.reference.model.layout import shard_files
 
 FIELDS = ("checkpoint", "architecture", "tp_size", "tp_rank", "dp_size", "dp_rank", "expert_parallel",
-          "dtype", "quantization", "revision", "engine", "engine_version", "draft")
+          "dtype", "quantization", "revision", "engine", "engine_version", "draft", "layout")
 
 # the layout of a cache that holds the checkpoint's tensors as stored (for an engine that shards and
 # processes them itself, such as vLLM), in place of the reference engine's processed per-rank layout
 CHECKPOINT = "checkpoint"
+# the reference engine's processed layout (restartkit.reference.model.weights): a cache built by a
+# restartkit whose layout differs is refused by name, the engine loads from disk
+REFERENCE_LAYOUT = "fused qkv_proj, gate_up_proj"
 
 _CACHE = Path(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))) / "restartkit" / "digests.json"
 
@@ -93,6 +96,7 @@ def fingerprint(model_dir: str, *, tp_size: int = 1, tp_rank: int = 0, dp_size: 
         "expert_parallel": expert_parallel, "dtype": dtype, "quantization": quantization,
         "revision": revision, "engine": CHECKPOINT if dtype == CHECKPOINT else "reference",
         "engine_version": __version__, "draft": draft,
+        "layout": CHECKPOINT if dtype == CHECKPOINT else REFERENCE_LAYOUT,
     }
 
 

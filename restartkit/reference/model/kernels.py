@@ -73,8 +73,9 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_table: 
     return rotate(q, cos, sin)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's silu(gate) * up."""
-    if fused(gate):
-        return _triton().silu_mul(gate, up)
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up of gate_up [T, 2 * inter] (gate's columns, then up's)."""
+    if fused(gate_up):
+        return _triton().silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -193,9 +193,8 @@ class Attention(nn.Module):
         self.n_heads = cfg.num_attention_heads // par.tp_size
         self.n_kv = cfg.num_key_value_heads // par.tp_size
         self.head_dim = hd
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=False)
+        # q, k and v in one matrix product (restartkit.reference.model.weights fuses the checkpoint's three)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * hd, bias=False)
         self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=False)
 
     def decode(self, x, tables, positions, rows, gather, cache_k, cache_v, mask):
@@ -203,23 +202,29 @@ class Attention(nn.Module):
         cache_v [slots, n_kv, positions, hd]; gather False: rows are the first B slots (read in place), True:
         any slots (their keys gathered); tables: the rotary (cos, sin); mask: as `attend` takes it."""
         B, hd, n_kv = x.shape[0], self.head_dim, self.n_kv
-        q = kernels.rope_write_kv(self.q_proj(x).view(B, self.n_heads, hd), self.k_proj(x).view(B, n_kv, hd),
-                                  self.v_proj(x).view(B, n_kv, hd), *tables, positions, rows, cache_k, cache_v)
+        q, k, v = self.qkv(x)
+        q = kernels.rope_write_kv(q, k, v, *tables, positions, rows, cache_k, cache_v)
         span = mask.shape[-1]  # the keys attended to: every position, or those up to the batch's last
         keys, values = cache_k[:, :, :span], cache_v[:, :, :span]
         keys, values = (keys.index_select(0, rows), values.index_select(0, rows)) if gather else (keys[:B], values[:B])
         out = attend(q.view(B, n_kv, self.n_heads // n_kv, hd), keys, values, mask)  # [B, n_kv, group, hd]
         return self.par.reduce(self.o_proj(out.reshape(B, self.n_heads * hd)))
 
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, hd], k and v [T, kv_heads, hd] of x [T, hidden]: views of one matrix product."""
+        T, hd = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
+        return q.view(T, self.n_heads, hd), k.view(T, self.n_kv, hd), v.view(T, self.n_kv, hd)
+
     def forward(self, x, cos, sin, positions, cache_k, cache_v, blocked):
         """One sequence's T tokens; cache_k, cache_v: its slot [n_kv, max_len, hd]; blocked: [T, max_len],
         True where query t may not see key j."""
         T, hd, n_kv = x.shape[0], self.head_dim, self.n_kv
         group = self.n_heads // n_kv  # query heads per KV head
-        q = apply_rope(self.q_proj(x).view(T, self.n_heads, hd), cos, sin)
-        k = apply_rope(self.k_proj(x).view(T, n_kv, hd), cos, sin)
+        q, k, v = self.qkv(x)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache_k.index_copy_(1, positions, k.transpose(0, 1))
-        cache_v.index_copy_(1, positions, self.v_proj(x).view(T, n_kv, hd).transpose(0, 1))
+        cache_v.index_copy_(1, positions, v.transpose(0, 1))
         # query head h reads KV head h // group: per KV head, its group's queries are rows (g, t)
         q = q.view(T, n_kv, group, hd).permute(1, 2, 0, 3).reshape(n_kv, group * T, hd)
         span = blocked.shape[-1]  # keys up to the last position of these tokens
@@ -235,12 +240,11 @@ class MLP(nn.Module):
         super().__init__()
         self.par = par
         inter //= par.tp_size
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)  # gate's rows, then up's
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x):
-        return self.par.reduce(self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x))))
+        return self.par.reduce(self.down_proj(kernels.silu_mul(self.gate_up_proj(x))))
 
 
 class Expert(nn.Module):
@@ -253,7 +257,7 @@ class Expert(nn.Module):
         self.w3 = nn.Linear(hidden, inter, bias=False)
 
     def forward(self, x):
-        return self.w2(kernels.silu_mul(self.w1(x), self.w3(x)))
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class SparseMoE(nn.Module):

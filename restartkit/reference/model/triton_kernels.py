@@ -87,6 +87,7 @@ def rope_write_kv(q, k, v, cos_table, sin_table, positions, rows, cache_k, cache
     n_kv = k.shape[1]
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and cache_k.is_contiguous()
     assert cos_table.is_contiguous() and sin_table.is_contiguous() and cache_v.stride() == cache_k.stride()
+    assert v.stride(0) == k.stride(0) and q.stride(1) == k.stride(1) == hd
     q_out = torch.empty(B, n_heads, hd, dtype=q.dtype, device=q.device)
     _rope_write_kv[(B, n_heads + n_kv)](q, k, v, cos_table, sin_table, positions, rows, cache_k, cache_v, q_out,
                                         n_heads, n_kv, q.stride(0), k.stride(0), cache_k.stride(0),
@@ -95,20 +96,108 @@ def rope_write_kv(q, k, v, cos_table, sin_table, positions, rows, cache_k, cache
 
 
 @triton.jit
-def _silu_mul(g_ptr, u_ptr, out, n, BLOCK: tl.constexpr):
+def _silu_mul(gu_ptr, out, n, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     keep = offs < n
     dtype: tl.constexpr = out.dtype.element_ty
-    g = tl.load(g_ptr + row * n + offs, mask=keep, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * n + offs, mask=keep, other=0.0).to(tl.float32)
+    g = tl.load(gu_ptr + row * 2 * n + offs, mask=keep, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * 2 * n + n + offs, mask=keep, other=0.0).to(tl.float32)
     act = _round(g / (1.0 + tl.exp(-g)), dtype)
     tl.store(out + row * n + offs, (act * u).to(dtype), mask=keep)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    B, n = gate.shape
-    out = torch.empty_like(gate)
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    assert gate_up.is_contiguous()
+    B, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(B, n, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul[(B, triton.cdiv(n, block))](gate, up, out, n, BLOCK=block, num_warps=4)
+    _silu_mul[(B, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block, num_warps=4)
+    return out
+
+
+@triton.jit
+def _attend_chunk(q_ptr, ck_ptr, cv_ptr, pos_ptr, rows_ptr, acc_ptr, ml_ptr, n_kv, n_chunks, q_row, slot_stride,
+                  head_stride, scale, GROUP: tl.constexpr, QB: tl.constexpr, HD: tl.constexpr, CHUNK: tl.constexpr):
+    """One chunk of one row's keys for one KV head's query heads: the chunk's softmax numerator (acc),
+    its largest score (m) and its sum (l), in float32; a chunk past the row's position writes m = -inf."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    c = tl.program_id(2)
+    part = (b * n_kv + h) * n_chunks + c
+    g = tl.arange(0, QB)
+    d = tl.arange(0, HD)
+    pos = tl.load(pos_ptr + b)
+    start = c * CHUNK
+    if start > pos:
+        tl.store(ml_ptr + part * 2 * QB + g, tl.full([QB], float("-inf"), tl.float32))
+        tl.store(ml_ptr + part * 2 * QB + QB + g, tl.zeros([QB], tl.float32))
+    else:
+        j = start + tl.arange(0, CHUNK)
+        seen = j <= pos
+        q = tl.load(q_ptr + b * q_row + (h * GROUP + g)[:, None] * HD + d[None, :], mask=(g < GROUP)[:, None],
+                    other=0.0).to(tl.float32)
+        base = tl.load(rows_ptr + b) * slot_stride + h * head_stride
+        k = tl.load(ck_ptr + base + j[:, None] * HD + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        s = tl.where(seen[None, :], s, float("-inf"))
+        m = tl.max(s, axis=1)
+        p = tl.exp(s - m[:, None])
+        v = tl.load(cv_ptr + base + j[:, None] * HD + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
+        acc = tl.dot(p, v, input_precision="ieee")
+        tl.store(acc_ptr + (part * QB + g)[:, None] * HD + d[None, :], acc)
+        tl.store(ml_ptr + part * 2 * QB + g, m)
+        tl.store(ml_ptr + part * 2 * QB + QB + g, tl.sum(p, axis=1))
+
+
+@triton.jit
+def _attend_reduce(acc_ptr, ml_ptr, pos_ptr, out_ptr, n_heads, n_kv, n_chunks, GROUP: tl.constexpr,
+                   QB: tl.constexpr, HD: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr):
+    """One row's query head: its chunks combined (each scaled by exp(its max - the overall max))."""
+    b = tl.program_id(0).to(tl.int64)
+    hq = tl.program_id(1)
+    h = hq // GROUP
+    g = hq % GROUP
+    used = tl.load(pos_ptr + b) // CHUNK + 1
+    d = tl.arange(0, HD)
+    first = (b * n_kv + h) * n_chunks
+    big = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
+    out = tl.zeros([HD], tl.float32)
+    for c0 in range(0, used, CB):
+        c = c0 + tl.arange(0, CB)
+        there = c < used
+        m = tl.load(ml_ptr + (first + c) * 2 * QB + g, mask=there, other=float("-inf"))
+        l = tl.load(ml_ptr + (first + c) * 2 * QB + QB + g, mask=there, other=0.0)
+        acc = tl.load(acc_ptr + ((first + c) * QB + g)[:, None] * HD + d[None, :], mask=there[:, None], other=0.0)
+        new_big = tl.maximum(big, tl.max(m, axis=0))
+        w = tl.exp(m - new_big)
+        rescale = tl.exp(big - new_big)
+        total = total * rescale + tl.sum(l * w, axis=0)
+        out = out * rescale + tl.sum(acc * w[:, None], axis=0)
+        big = new_big
+    tl.store(out_ptr + (b * n_heads + hq) * HD + d, (out / total).to(out_ptr.dtype.element_ty))
+
+
+ATTEND_CHUNK = 64  # keys per program
+
+
+def attend_decode(q, cache_k, cache_v, positions, rows):
+    """Each row's query heads q [B, heads, hd] against the keys of slot rows[b] up to positions[b] (inclusive)
+    in cache_k, cache_v [slots, kv_heads, cache positions, hd]; returns [B, heads, hd].  Split over key
+    chunks (a row's keys past its position are never read), then the chunks combined: two kernels."""
+    B, n_heads, hd = q.shape
+    n_kv, length = cache_k.shape[1], cache_k.shape[2]
+    assert q.is_contiguous() and cache_k.is_contiguous() and cache_v.stride() == cache_k.stride()
+    group = n_heads // n_kv
+    qb = max(16, triton.next_power_of_2(group))
+    n_chunks = triton.cdiv(length, ATTEND_CHUNK)
+    acc = torch.empty(B * n_kv * n_chunks * qb, hd, dtype=torch.float32, device=q.device)
+    ml = torch.empty(B * n_kv * n_chunks * 2 * qb, dtype=torch.float32, device=q.device)
+    _attend_chunk[(B, n_kv, n_chunks)](q, cache_k, cache_v, positions, rows, acc, ml, n_kv, n_chunks, q.stride(0),
+                                       cache_k.stride(0), cache_k.stride(1), hd ** -0.5, GROUP=group, QB=qb,
+                                       HD=hd, CHUNK=ATTEND_CHUNK, num_warps=4)
+    out = torch.empty_like(q)
+    _attend_reduce[(B, n_heads)](acc, ml, positions, out, n_heads, n_kv, n_chunks, GROUP=group, QB=qb, HD=hd,
+                                 CHUNK=ATTEND_CHUNK, CB=16, num_warps=4)
     return out

@@ -41,15 +41,14 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture(self, dev: torch.device) -> None:
-        """Each size after two eager runs on a side stream, the largest first, sharing one pool: only one
+        """Each size after an eager run on a side stream (the largest two), the largest first, sharing one pool: only one
         graph runs at a time, and each graph's output stays allocated, so no capture reuses another's."""
         tok, pos = self.inputs[0], self.inputs[1]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for b in self.sizes:
-                for _ in range(2):
-                    self.model.decode(tok[:b], pos[:b], None)
+        with torch.cuda.stream(stream):  # the first run of a step makes what is made once (cuBLAS's workspace)
+            for b in [self.sizes[-1], *self.sizes]:
+                self.model.decode(tok[:b], pos[:b], None)
         torch.cuda.current_stream().wait_stream(stream)
         pool = None
         for b in reversed(self.sizes):
