@@ -115,6 +115,16 @@ def main() -> int:
                 del os.environ[kernels.NO_TRITON_ENV]
                 kernels._triton.cache_clear()
                 rows.append((f"eager B={B}: {n} kernels fused, {n_plain} in torch form", 0.0, check(fast, plain)))
+                if B == 1:  # a prefill (the single-sequence path) too, in a slot of its own
+                    def prefill():
+                        return m(torch.tensor(prompt, device=dev), torch.arange(8, device=dev), 7)[-1:].float()
+                    fused_row = prefill()
+                    os.environ[kernels.NO_TRITON_ENV] = "1"
+                    kernels._triton.cache_clear()
+                    plain_row = prefill()
+                    del os.environ[kernels.NO_TRITON_ENV]
+                    kernels._triton.cache_clear()
+                    rows.append(("prefill of 8 tokens: fused against torch form", 0.0, check(fused_row, plain_row)))
             rows.append((f"eager B={B} against the graph", 0.0, check(fast, ref[:B])))
         if gpu:
             def per_token(scheduled: bool) -> float:

@@ -6,6 +6,8 @@ microseconds even inside a CUDA graph, so the step took 7-10 ms (docs/BENCHMARKS
 
   - add_rms_norm: the residual add and the next RMSNorm (x + delta, then the norm of that), one kernel;
   - rope_write_kv: rotary embedding of q and k, and k and v written into the KV cache, one kernel;
+  - attend_decode: a decode step's attention, split over chunks of keys and combined, two kernels, reading
+    only the keys up to each row's position (a graph's static shapes otherwise attend over the whole slot);
   - silu_mul: SwiGLU's silu(gate) * up, one kernel.
 
 Each has a torch form, used on the CPU, where Triton is missing, and as the check of the kernels
@@ -71,6 +73,17 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_table: 
     cache_k[rows, :, positions] = rotate(k, cos, sin)
     cache_v[rows, :, positions] = v
     return rotate(q, cos, sin)
+
+
+def attend_decode(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,
+                  rows: torch.Tensor) -> torch.Tensor | None:
+    """On a GPU with Triton: each row's query heads q [B, heads, hd] against the keys of slot rows[b] up to
+    positions[b] in cache_k, cache_v [slots, kv_heads, positions, hd], in chunks of 64 keys (a row's keys
+    past its position are never read), the chunks combined in float32; [B, heads, hd].  Elsewhere None:
+    the caller's matrix products over a masked span (restartkit.reference.model.llama.attend)."""
+    if not fused(q):
+        return None
+    return _triton().attend_decode(q, cache_k, cache_v, positions, rows)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -10,15 +10,15 @@ The KV cache has one slot per sequence the scheduler may run at once
 slot; a decode step runs one token of each running sequence, each in its own
 slot, in one forward pass.  A CUDA graph of the step runs over the first B
 slots (the engine keeps one graph for each power of two up to max_num_seqs),
-attending to each slot's whole cache with a position mask, which keeps its
-shapes static.  Each slot has one more position than max_model_len (rounded
+its shapes static (the CPU's attention reads a slot's whole span under a
+position mask; a GPU's kernel stops at each row's position).  Each slot has one more position than max_model_len (rounded
 up to 16): where a decode step writes the rows of slots that are not decoding.
 
 The decode step's elementwise work is fused on a GPU (restartkit.reference.
 model.kernels: the residual add with the next norm, rotary embedding with the
-KV-cache write, SwiGLU's product) and its attention is one
-scaled_dot_product_attention a layer: one step of an 8B model launches about
-12 kernels a layer instead of 36 (docs/BENCHMARKS.md).  On the CPU the same
+KV-cache write, SwiGLU's product) and its attention is two kernels a layer
+that read each row's keys up to its position only: one step of an 8B model
+launches about 12 kernels a layer instead of 36 (docs/BENCHMARKS.md).  On the CPU the same
 step is the plain torch form, equal to what transformers computes.
 
 A restarted engine pays, on its first forward pass, for every kind of GPU
@@ -174,12 +174,9 @@ apply_rope = kernels.rotate  # x [T, heads, head_dim]; cos, sin (first half nega
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Each row's query heads, q [B, n_kv, group, hd] (query head h reads KV head h // group), against its keys
-    and values [B, n_kv, span, hd] (head-major: strided batches read in place, no copy of the cache).  mask:
-    bool [B, span], True where a key is not seen: matrix products around a softmax in float32 (the CPU, and
-    what transformers computes); or an additive bias [B, 1, 1, span] in q's dtype: scaled_dot_product_attention,
-    one kernel a layer (a GPU)."""
-    if mask.dtype != torch.bool:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    and values [B, n_kv, span, hd] (head-major: strided batches read in place, no copy of the cache); mask
+    bool [B, span], True where a key is not seen.  Matrix products around a softmax in float32, as
+    transformers computes it (the CPU; a GPU runs kernels.attend_decode)."""
     scores = torch.matmul(q, keys.transpose(2, 3)).float() * q.shape[-1] ** -0.5
     probs = scores.masked_fill(mask[:, None, None, :], float("-inf")).softmax(-1).to(q.dtype)
     return torch.matmul(probs, values)
@@ -204,10 +201,12 @@ class Attention(nn.Module):
         B, hd, n_kv = x.shape[0], self.head_dim, self.n_kv
         q, k, v = self.qkv(x)
         q = kernels.rope_write_kv(q, k, v, *tables, positions, rows, cache_k, cache_v)
-        span = mask.shape[-1]  # the keys attended to: every position, or those up to the batch's last
-        keys, values = cache_k[:, :, :span], cache_v[:, :, :span]
-        keys, values = (keys.index_select(0, rows), values.index_select(0, rows)) if gather else (keys[:B], values[:B])
-        out = attend(q.view(B, n_kv, self.n_heads // n_kv, hd), keys, values, mask)  # [B, n_kv, group, hd]
+        out = kernels.attend_decode(q, cache_k, cache_v, positions, rows)
+        if out is None:
+            span = mask.shape[-1]  # the keys attended to: every position, or those up to the batch's last
+            keys, values = cache_k[:, :, :span], cache_v[:, :, :span]
+            keys, values = (keys.index_select(0, rows), values.index_select(0, rows)) if gather else (keys[:B], values[:B])
+            out = attend(q.view(B, n_kv, self.n_heads // n_kv, hd), keys, values, mask)  # [B, n_kv, group, hd]
         return self.par.reduce(self.o_proj(out.reshape(B, self.n_heads * hd)))
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -216,15 +215,14 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
         return q.view(T, self.n_heads, hd), k.view(T, self.n_kv, hd), v.view(T, self.n_kv, hd)
 
-    def forward(self, x, cos, sin, positions, cache_k, cache_v, blocked):
-        """One sequence's T tokens; cache_k, cache_v: its slot [n_kv, max_len, hd]; blocked: [T, max_len],
-        True where query t may not see key j."""
+    def forward(self, x, tables, positions, rows, slot, cache_k, cache_v, blocked):
+        """One sequence's T tokens in slot `slot` (rows: that slot, T times) of cache_k, cache_v [slots, n_kv,
+        positions, hd]; tables: the rotary (cos, sin); blocked: [T, span], True where query t may not see key j."""
         T, hd, n_kv = x.shape[0], self.head_dim, self.n_kv
         group = self.n_heads // n_kv  # query heads per KV head
         q, k, v = self.qkv(x)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache_k.index_copy_(1, positions, k.transpose(0, 1))
-        cache_v.index_copy_(1, positions, v.transpose(0, 1))
+        q = kernels.rope_write_kv(q, k, v, *tables, positions, rows, cache_k, cache_v)
+        cache_k, cache_v = cache_k[slot], cache_v[slot]
         # query head h reads KV head h // group: per KV head, its group's queries are rows (g, t)
         q = q.view(T, n_kv, group, hd).permute(1, 2, 0, 3).reshape(n_kv, group * T, hd)
         span = blocked.shape[-1]  # keys up to the last position of these tokens
@@ -299,9 +297,13 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, par)
 
-    def forward(self, x, cos, sin, positions, cache_k, cache_v, blocked):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache_k, cache_v, blocked)
-        return x + self.feed_forward(self.post_attention_layernorm(x))
+    def forward(self, x, delta, tables, positions, rows, slot, cache_k, cache_v, blocked):
+        """This layer on one sequence's tokens, as `decode` takes the residual stream and delta."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        x, h = kernels.add_rms_norm(x, delta, norm1.weight, norm1.eps)
+        attn = self.self_attn(h, tables, positions, rows, slot, cache_k, cache_v, blocked)
+        x, h = kernels.add_rms_norm(x, attn, norm2.weight, norm2.eps)
+        return x, self.feed_forward(h)
 
     def decode(self, x, delta, tables, positions, rows, gather, cache_k, cache_v, mask):
         """This layer's decode step on the residual stream x and the previous layer's output not yet added
@@ -382,16 +384,16 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int = 0) -> torch.Tensor:
         """One sequence: tokens, positions int64 [T] (consecutive: a prompt's chunk, or draft tokens being
         checked), in KV-cache slot `slot`.  Returns float32 logits [T, vocab]."""
-        cos = self._cos.index_select(0, positions)
-        sin = self._sin.index_select(0, positions)
         # query i may not see key j when j > position_i; keys past the last position are not read at all
         span = int(positions[-1]) + 1 if positions.device.type == "cpu" else self.max_len + 1
         blocked = self._key_pos[:span].unsqueeze(0) > positions.unsqueeze(1)
-        x = self.model.embed_tokens(tokens)
+        rows = positions.new_full(positions.shape, slot)
+        x, delta = self.model.embed_tokens(tokens), None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, positions, self.cache_k[i, slot], self.cache_v[i, slot], blocked)
-        x = self.model.norm(x)
-        return self.lm_head(x).float()
+            x, delta = layer(x, delta, (self._cos, self._sin), positions, rows, slot, self.cache_k[i],
+                             self.cache_v[i], blocked)
+        norm = self.model.norm
+        return self.lm_head(kernels.add_rms_norm(x, delta, norm.weight, norm.eps)[1]).float()
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None,
                span: int | None = None) -> torch.Tensor:
@@ -401,9 +403,6 @@ class LlamaForCausalLM(nn.Module):
         [B, vocab]."""
         rows = self._key_pos[: tokens.shape[0]] if slots is None else slots
         mask = self._key_pos[:span].unsqueeze(0) > positions.unsqueeze(1)  # True: key j is past row b's position
-        if tokens.is_cuda:  # scaled_dot_product_attention's additive bias, made once for every layer
-            bias = torch.zeros(mask.shape, dtype=self.cache_k.dtype, device=tokens.device)
-            mask = bias.masked_fill_(mask, float("-inf"))[:, None, None, :]
         x, delta = self.model.embed_tokens(tokens), None
         for i, layer in enumerate(self.model.layers):
             x, delta = layer.decode(x, delta, (self._cos, self._sin), positions, rows, slots is not None,

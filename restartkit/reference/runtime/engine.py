@@ -250,7 +250,7 @@ class Engine:
         from restartkit.reference.sched.sequence import Sampling, Sequence
         self.check_prompt(prompt, max_tokens)
         seq = Sequence(list(prompt), Sampling(max_tokens, temperature, seed, want_logprobs, top_logprobs, **sampling),
-                       isolated=True)
+                       isolated=True, quiet=True)
         if self.scheduler is not None:
             self.scheduler.submit([seq])
         else:

@@ -136,7 +136,8 @@ class CompletionRoutes:
                                      f"({max_tokens})", "min_tokens")
                 sampling = Sampling(max_tokens, ask.temperature, seed, ask.want_logprobs, ask.top_logprobs,
                                     **ask.sampling)
-                seqs.append(Sequence(ids, sampling, index=pi * ask.n + j, events=events, isolated=isolated))
+                seqs.append(Sequence(ids, sampling, index=pi * ask.n + j, events=events, isolated=isolated,
+                                     quiet=not (ask.stream or ask.stop)))
         work, limit = sum(len(s.prompt) + s.sampling.max_tokens for s in seqs), o.max_num_seqs * o.max_model_len
         if work > limit:
             raise BadRequest(f"the request asks for up to {work} tokens (prompt and max_tokens, for each prompt and "
@@ -182,7 +183,7 @@ class CompletionRoutes:
             finish = ev.finish if ev.kind == "done" else None
             if ev.kind == "token":
                 if first:
-                    st.metrics.first_token.observe(time.perf_counter() - started)
+                    st.metrics.first_token.observe(ev.at - started)
                     first = False
                 c.tokens.append(ev.token)
                 c.logprobs.append(ev.logprob)
