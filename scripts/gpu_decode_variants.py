@@ -97,6 +97,7 @@ def main() -> int:
             rows.append(("Engine.decode, 1 row (slot 0)", timed(lambda: eng.decode([0], [5], [8]), sync), ""))
             rows.append(("Engine.decode, 1 row (slot 5)", timed(lambda: eng.decode([5], [5], [8]), sync), ""))
             rows.append(("Engine.decode, 8 rows", timed(lambda: eng.decode(list(range(8)), [5] * 8, [8] * 8), sync), ""))
+            rows.append(("Engine.decode_greedy, 1 row", timed(lambda: eng.decode_greedy([0], [5], [8]), sync), ""))
             t0 = time.perf_counter()
             eng.capture_decode_graph()
             sync()

@@ -139,6 +139,19 @@ def test_a_planned_restart_promotes_the_standby_and_stop_takes_it_down(make_poli
     assert gone(again["pid"])
 
 
+def test_a_standby_bench_arms_a_standby_for_each_run(make_policy, sockdir, preloads, service_cleanup):
+    """A promotion uses the standby up: `restartkit bench --strategies standby --repeat 2` arms the next one
+    before its second run, so both runs are standby restarts (without it the second fell back to cold)."""
+    policy = policy_with_standby(make_policy, sockdir, kv_ahead="never")
+    started_and_armed(policy, preloads, service_cleanup)
+    r = run_cli("bench", "--policy", policy, "--strategies", "standby", "--repeat", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout)["rows"][0]
+    assert [run["served_by"] for run in row["runs"]] == ["standby", "standby"] and row["clean_runs"] == 2, row
+    assert row["canary_identical"] is True
+    assert run_cli("stop", "--policy", policy).returncode == 0 and standby(policy) is None
+
+
 def listening_ports(pid: int) -> set[int]:
     """The TCP ports the process listens on (from /proc)."""
     from restartkit.process.procfs import fd_targets, tcp_sockets

@@ -288,6 +288,13 @@ class Engine:
         dev = self.device
         return self.model(torch.tensor(tokens, device=dev), torch.arange(start, start + len(tokens)).to(dev), slot)
 
+    def decode_greedy(self, slots: list[int], tokens: list[int], positions: list[int]) -> list[int]:
+        """`decode`, each row's likeliest token only (from a decode graph: copied back by the graph itself)."""
+        if self._graphs is not None:  # one rank only (graphs are captured at tp_size 1)
+            with torch.inference_mode():
+                return self._graphs.run(slots, tokens, positions, greedy=True)
+        return self.decode(slots, tokens, positions).argmax(dim=-1).tolist()
+
     @torch.inference_mode()
     def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One token of each sequence (row b: `tokens[b]` at `positions[b]` in slot `slots[b]`) in one

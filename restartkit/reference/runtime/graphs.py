@@ -26,17 +26,20 @@ def graph_sizes(slots: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """The captured decode steps of one model and their static inputs (tokens and positions of every
-    slot: a pinned host buffer and its device copy)."""
+    """The captured decode steps of one model.  A graph copies its inputs from pinned host memory (tokens,
+    positions and the rows wanted, of every slot) and its greedy tokens back to pinned host memory itself,
+    so a step is one graph launch and one wait (which lets other Python threads run)."""
 
     def __init__(self, model, dev: torch.device):
         self.model, self.scratch = model, model.scratch
         self.sizes = graph_sizes(model.slots)
-        self.host = torch.zeros((2, model.slots), dtype=torch.long).pin_memory()
+        self.host = torch.zeros((3, model.slots), dtype=torch.long).pin_memory()  # tokens, positions, rows
         self.host[1].fill_(self.scratch)
         self.inputs = self.host.to(dev)
+        self.greedy_host = torch.zeros(model.slots, dtype=torch.long).pin_memory()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outs: dict[int, torch.Tensor] = {}
+        self.done = torch.cuda.Event()
         self._capture(dev)
 
     @torch.inference_mode()
@@ -54,20 +57,27 @@ class DecodeGraphs:
         for b in reversed(self.sizes):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
+                self.inputs.copy_(self.host, non_blocking=True)
                 self.outs[b] = self.model.decode(tok[:b], pos[:b], None)
+                self.greedy_host[:b].copy_(self.outs[b].argmax(dim=-1), non_blocking=True)
             pool = graph.pool()
             self.graphs[b] = graph
+        self.done.record()
 
-    def run(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One decode step (row i: tokens[i] at positions[i] in slot slots[i]); the logits [len(slots), vocab]."""
+    def run(self, slots: list[int], tokens: list[int], positions: list[int], greedy: bool = False):
+        """One decode step (row i: tokens[i] at positions[i] in slot slots[i]): the logits [len(slots), vocab],
+        or with `greedy` each row's likeliest token (a list)."""
         b = next(size for size in self.sizes if size > max(slots))
-        tok, pos = [0] * b, [self.scratch] * b
-        for slot, t, p in zip(slots, tokens, positions):
-            tok[slot], pos[slot] = t, p
-        self.host[:, :b].copy_(torch.tensor([tok, pos]))
-        self.inputs.copy_(self.host)  # from pinned memory, before the replay on the same stream
+        tok, pos, rows = [0] * b, [self.scratch] * b, [0] * b
+        for i, (slot, t, p) in enumerate(zip(slots, tokens, positions)):
+            tok[slot], pos[slot], rows[i] = t, p, slot
+        self.done.synchronize()  # the last replay has read the host buffer
+        self.host[:, :b].copy_(torch.tensor([tok, pos, rows]))
         self.graphs[b].replay()
+        self.done.record()
+        if greedy:
+            self.done.synchronize()
+            chosen = self.greedy_host.tolist()
+            return [chosen[slot] for slot in slots]
         out = self.outs[b]
-        if slots == list(range(b)):
-            return out
-        return out.index_select(0, torch.tensor(slots).to(out.device))
+        return out if slots == list(range(b)) else out.index_select(0, self.inputs[2, : len(slots)])

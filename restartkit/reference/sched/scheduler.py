@@ -184,14 +184,14 @@ class Scheduler:
             self._take(seq, logits[-1].float().cpu())
 
     def _decode(self, seqs: list[Sequence]) -> None:
-        logits = self.engine.decode([s.slot for s in seqs], [s.tokens[-1] for s in seqs], [s.position for s in seqs])
+        args = [s.slot for s in seqs], [s.tokens[-1] for s in seqs], [s.position for s in seqs]
         self.counts["decode_rows"] += len(seqs)
         if all(s.sampling.plain_greedy and not (s.sampling.logprobs or s.sampling.top_logprobs) for s in seqs):
             # the argmax where the logits are: one integer per row crosses to the host, not a vocabulary of floats
-            for seq, token in zip(seqs, logits.argmax(dim=-1).tolist()):
+            for seq, token in zip(seqs, self.engine.decode_greedy(*args)):
                 self._took(seq, token, None, None)
             return
-        rows = logits.float().cpu()
+        rows = self.engine.decode(*args).float().cpu()
         for i, seq in enumerate(seqs):
             self._take(seq, rows[i])
 
