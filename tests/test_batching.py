@@ -232,3 +232,20 @@ def test_every_strategy_keeps_its_canary_under_four_clients(make_policy, sockdir
         assert row["clean_runs"] == 1 and row["canary_identical"], (name, row)
         clients = row["clients"]  # refused and 503 (loading, stopping) while no engine serves; never a 500
         assert clients.get("ok", 0) > 0 and set(clients) <= {"ok", "refused", "5xx 503", "lost"}, (name, clients)
+
+
+def test_a_quiet_sequence_hands_its_tokens_over_with_its_end():
+    """A reader that wants the whole answer (not streamed, no stop strings) is woken once, at the end: the tokens
+    come then, in order, each stamped when the scheduler emitted it (the time-to-first-token metric reads that);
+    a sequence that is not quiet hands each token over at once."""
+    from restartkit.reference.sched.sequence import Event, Sampling, Sequence
+    quiet, loud = Sequence([1, 2], Sampling(3), quiet=True), Sequence([1, 2], Sampling(3))
+    for seq in (quiet, loud):
+        for t in (7, 8):
+            seq.emit(Event(0, "token", t))
+    assert quiet.events.empty() and loud.events.qsize() == 2
+    time.sleep(0.01)
+    quiet.emit(Event(0, "done", finish="length"))
+    got = [quiet.events.get_nowait() for _ in range(3)]
+    assert [(e.kind, e.token) for e in got] == [("token", 7), ("token", 8), ("done", -1)]
+    assert got[0].at <= got[1].at < got[2].at - 0.005 and quiet.events.empty()

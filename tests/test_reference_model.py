@@ -2,6 +2,8 @@
 checkpoints are deterministic and in the Hugging Face layout."""
 import json
 
+import pytest
+
 import torch
 
 from restartkit.reference.model.checkpoint import shard_files, tensor_shapes, write_checkpoint
@@ -127,3 +129,52 @@ def test_model_create_makes_the_parent_directories(tmp_path):
     r = run_cli("model", "create", "--preset", "tiny", "--out", out)
     assert r.returncode == 0, r.stderr
     assert (out / "config.json").exists() and not list(out.parent.glob("*.partial-*"))
+
+
+def test_processed_weights_fuse_qkv_and_gate_up_per_rank(tiny_model, tmp_path):
+    """Each rank's qkv_proj is its q, k and v slices stacked in that order (gate_up_proj: gate, up); int8
+    quantizes the fused rows one scale each; a checkpoint missing a part is refused naming the fused tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from restartkit.reference.model.checkpoint import iter_checkpoint
+    from restartkit.reference.model.llama import Parallel
+    from restartkit.reference.model.weights import processed_weights
+    cfg = ModelConfig.load(tiny_model)
+    ckpt = dict(iter_checkpoint(tiny_model))
+    a, m = "model.layers.1.self_attn.", "model.layers.1.mlp."
+    for rank in (0, 1):
+        got = dict(processed_weights(str(tiny_model), cfg, Parallel(2, rank), torch.float32, "none", "cpu"))
+        assert not any(k.endswith(("q_proj.weight", "k_proj.weight", "gate_proj.weight")) for k in got)
+        parts = [ckpt[a + p + ".weight"].chunk(2, dim=0)[rank] for p in ("q_proj", "k_proj", "v_proj")]
+        assert torch.equal(got[a + "qkv_proj.weight"], torch.cat(parts))
+        parts = [ckpt[m + p + ".weight"].chunk(2, dim=0)[rank] for p in ("gate_proj", "up_proj")]
+        assert torch.equal(got[m + "gate_up_proj.weight"], torch.cat(parts))
+    q8 = dict(processed_weights(str(tiny_model), cfg, Parallel(), torch.float32, "int8", "cpu"))
+    assert q8[a + "qkv_proj.weight"].dtype == torch.int8
+    assert q8[a + "qkv_proj.weight_scale"].shape == (q8[a + "qkv_proj.weight"].shape[0], 1)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny_model.iterdir():
+        if f.suffix == ".safetensors":
+            tensors = {k: t for k, t in load_file(f).items() if k != a + "v_proj.weight"}
+            save_file(tensors, broken / f.name, metadata={"format": "pt"})
+        elif f.is_file():
+            (broken / f.name).write_bytes(f.read_bytes())
+    index = broken / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"].pop(a + "v_proj.weight", None)
+        index.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="lacks part of model.layers.1.self_attn.qkv_proj.weight"):
+        list(processed_weights(str(broken), cfg, Parallel(), torch.float32, "none", "cpu"))
+
+
+def test_the_processed_layout_is_named_in_the_weight_cache_fingerprint(tiny_model):
+    """A weight cache built before q/k/v and gate/up were fused holds tensors this engine has no place for: the
+    fingerprint's layout field tells them apart by name (the engine loads from disk, saying why)."""
+    from restartkit.weightcache.fingerprint import CHECKPOINT, REFERENCE_LAYOUT, differences, fingerprint
+    fp = fingerprint(str(tiny_model), dtype="float32")
+    assert fp["layout"] == REFERENCE_LAYOUT
+    older = {k: v for k, v in fp.items() if k != "layout"}
+    assert [d["field"] for d in differences(older, fp)] == ["layout"]
+    assert fingerprint(str(tiny_model), dtype=CHECKPOINT)["layout"] == CHECKPOINT

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,14 @@ def _triton():
     except ImportError:
         return None
     return triton_kernels
+
+
+def load_in_background() -> threading.Thread:
+    """Import Triton and the kernels in a thread (about 0.3 s of imports): a GPU engine starts it before its
+    weights load, so the first forward pass finds them ready."""
+    thread = threading.Thread(target=_triton, name="triton-import", daemon=True)
+    thread.start()
+    return thread
 
 
 def fused(x: torch.Tensor) -> bool:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from restartkit.reference.model import kernels
 from restartkit.reference.model.checkpoint import DTYPES
 from restartkit.reference.model.llama import LlamaForCausalLM, ModelConfig, Parallel, UnsupportedConfig, check_parallel
 from restartkit.reference.model.weights import build_model, processed_weights
@@ -103,6 +104,7 @@ class Engine:
         `before_weights`, when given, runs just before the weights load."""
         if self.device.type == "cuda":
             self._timed("cuda_init", lambda: torch.cuda.set_device(self.device))
+            kernels.load_in_background()  # the decode step's Triton kernels, imported while the weights load
         self.config = ModelConfig.load(self.options.model)
         if self.config.rope_type == "dynamic" and self.options.max_model_len > self.config.max_position_embeddings:
             raise UnsupportedConfig(

