@@ -23,19 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-
-def timed(fn, sync, n: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    sync()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
+sys.path.insert(0, str(ROOT / "scripts"))
+from gpu_decode_probe import timed  # noqa: E402  (median of n synchronized calls)
 
 
 def check(got, want) -> str:
