@@ -10,16 +10,17 @@ The KV cache has one slot per sequence the scheduler may run at once
 slot; a decode step runs one token of each running sequence, each in its own
 slot, in one forward pass.  A CUDA graph of the step runs over the first B
 slots (the engine keeps one graph for each power of two up to max_num_seqs),
-its shapes static (the CPU's attention reads a slot's whole span under a
-position mask; a GPU's kernel stops at each row's position).  Each slot has one more position than max_model_len (rounded
-up to 16): where a decode step writes the rows of slots that are not decoding.
+its shapes static: the CPU's attention reads a slot's whole span under a
+position mask, a GPU's kernel stops at each row's position.  Each slot has
+one more position than max_model_len (rounded up to 16): where a decode step
+writes the rows of slots that are not decoding.
 
 The decode step's elementwise work is fused on a GPU (restartkit.reference.
 model.kernels: the residual add with the next norm, rotary embedding with the
 KV-cache write, SwiGLU's product) and its attention is two kernels a layer
 that read each row's keys up to its position only: one step of an 8B model
-launches about 12 kernels a layer instead of 36 (docs/BENCHMARKS.md).  On the CPU the same
-step is the plain torch form, equal to what transformers computes.
+launches about 12 kernels a layer instead of 36 (docs/BENCHMARKS.md).  On the
+CPU the same step is the plain torch form, equal to what transformers computes.
 
 A restarted engine pays, on its first forward pass, for every kind of GPU
 kernel it launches (the driver loads each kernel module on first use, 10-30 ms
