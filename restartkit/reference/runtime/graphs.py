@@ -6,10 +6,13 @@ The engine keeps a graph for each power of two below its slot count and one for 
 slots: 1, 2, 4, 8), all in one memory pool, and a step runs the smallest that holds its highest slot; the
 scheduler gives each sequence the lowest free slot, so one stream runs the one-row graph.
 
-What this buys, measured on an H200 at 8B shapes (docs/BENCHMARKS.md): a step over one row costs about 1 ms
-less than one over eight (attention over one slot's cache, not eight, and smaller products).  What it costs:
-a prompt's greedy tokens can depend on the batch size its step ran at (a matrix product's kernel is chosen
-by its row count), which is why restartkit's canary runs in a batch of its own (restartkit.reference.sched).
+What this buys, measured on an H200 at 8B shapes (docs/BENCHMARKS.md): a step over one row 4.83-4.90 ms against
+4.97-5.09 ms over eight, with the attention kernel that stops at each row's position (0.15 ms; 1 ms when attention
+read every position); more where max_num_seqs is larger (not measured).  What it costs: capturing four graphs took
+0.17-0.23 s against about 0.06 s for one, paid at a start and at a KV-cache restore; and a prompt's greedy tokens
+could depend on the batch size its step ran at (a matrix product's kernel is chosen by its row count: on the H200
+the one-row and eight-row graphs gave bit-identical logits), which is one reason restartkit's canary runs in a
+batch of its own (restartkit.reference.sched).
 """
 from __future__ import annotations
 
