@@ -6,7 +6,9 @@
 Builds the engine in this process (no HTTP) at 8 slots, then times (median of 50, synchronized):
   - the replay of each of the engine's decode graphs (B = 1, 2, 4, 8 rows) and Engine.decode end to end;
   - the capture of the graphs (what a start and a KV-cache restore pay);
-  - one stream's time per token without HTTP: generate in this thread, and through a running scheduler;
+  - one stream's time per token without HTTP: generate in this thread, and through a running scheduler, each
+    with the next step run ahead (before the last one's token is read) and one by one (the tokens compared);
+  - eight sequences at once, ending at different steps, run ahead and one by one (the tokens compared);
   - the weights' read floor (a clone of their size, halved).
 Checks (greedy token equal, largest logit gap): the one-row graph against the eight-row one, the fused
 kernels against their torch form (restartkit.reference.model.kernels), eager against the graph.  On a CPU
@@ -36,6 +38,63 @@ def inputs(B: int, position: int, dev):
     """B rows of token 5 at `position`."""
     import torch
     return (torch.full((B,), 5, dtype=torch.long, device=dev), torch.full((B,), position, dtype=torch.long, device=dev))
+
+
+def same_as(same: bool) -> str:
+    return "same as one by one" if same else "DIFFERENT from one by one"
+
+
+def batch_tokens(eng, ahead: bool) -> list[list[int]]:
+    """Eight greedy sequences submitted at once to a running scheduler, ending at different steps (max_tokens
+    20, 27, ..., or EOS), with or without the next step launched before the last one's tokens are read."""
+    from restartkit.reference.sched.scheduler import Scheduler
+    from restartkit.reference.sched.sequence import Sampling, Sequence
+    eng.run_ahead, eng.scheduler = ahead, Scheduler(eng, 8, 64)
+    eng.scheduler.start()
+    try:
+        seqs = [Sequence([1, 300 + i, 301 + i], Sampling(20 + 7 * i), quiet=True) for i in range(8)]
+        eng.scheduler.submit(seqs)
+        out = []
+        for seq in seqs:
+            tokens = []
+            while (ev := seq.events.get(timeout=120)).kind == "token":
+                tokens.append(ev.token)
+            out.append(tokens)
+        return out
+    finally:
+        eng.scheduler.stop()
+        eng.run_ahead, eng.scheduler = None, None
+
+
+def clients_in_process(eng, n: int, seconds: float, ahead: bool) -> float:
+    """Tokens/s of n threads each asking a 128-token greedy completion (ignore_eos) in a loop from a running
+    scheduler, as n HTTP clients would without HTTP; with or without the next step run ahead."""
+    import threading
+
+    from restartkit.reference.sched.scheduler import Scheduler
+    from restartkit.reference.sched.sequence import Sampling, Sequence
+    eng.run_ahead, eng.scheduler = ahead, Scheduler(eng, 8, 64)
+    eng.scheduler.start()
+    done, stop = [0] * n, time.perf_counter() + seconds
+
+    def client(i):
+        while time.perf_counter() < stop:
+            seq = Sequence([1, 300 + i, 301 + i], Sampling(128, ignore_eos=True), quiet=True)
+            eng.scheduler.submit([seq])
+            while seq.events.get(timeout=120).kind == "token":
+                pass
+            done[i] += 128
+    try:
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sum(done) / (time.perf_counter() - t0)
+    finally:
+        eng.scheduler.stop()
+        eng.run_ahead, eng.scheduler = None, None
 
 
 def kernels_per_step(fn, args) -> int:
@@ -85,7 +144,7 @@ def main() -> int:
             t0 = time.perf_counter()
             eng.capture_decode_graph()
             sync()
-            rows.append((f"capture of the {len(g.sizes)} graphs", (time.perf_counter() - t0) * 1000, ""))
+            rows.append((f"capture of the {len(g.sizes) + len(g.prompt_sizes)} graphs", (time.perf_counter() - t0) * 1000, ""))
             one = eng.decode([0], [5], [8]).float()
             rows.append(("B=1 graph against B=8 graph, row 0", 0.0, check(one, ref[:1])))
         for B in (1, 8):
@@ -112,10 +171,12 @@ def main() -> int:
                     rows.append(("prefill of 8 tokens: fused against torch form", 0.0, check(fused_row, plain_row)))
             rows.append((f"eager B={B} against the graph", 0.0, check(fast, ref[:B])))
         if gpu:
-            def per_token(scheduled: bool) -> float:
+            def per_token(scheduled: bool, ahead: bool) -> tuple[float, list[int]]:
                 """A 257-token greedy completion minus a 1-token one, over 256: in this thread, or through a
-                running scheduler (its thread steps, this one reads the events, as an HTTP handler does)."""
+                running scheduler (its thread steps, this one reads the events, as an HTTP handler does); with
+                or without the next step launched before the last one's tokens are read.  And its tokens."""
                 from restartkit.reference.sched.scheduler import Scheduler
+                eng.run_ahead = ahead
                 if scheduled:
                     eng.scheduler = Scheduler(eng, 8, 64)
                     eng.scheduler.start()
@@ -124,13 +185,27 @@ def main() -> int:
                         t0 = time.perf_counter()
                         eng.generate([1, 5, 6], n, ignore_eos=True)
                         return time.perf_counter() - t0
-                    return statistics.median((run(257) - run(1)) / 256 for _ in range(3)) * 1000
+                    ms = statistics.median((run(257) - run(1)) / 256 for _ in range(3)) * 1000
+                    return ms, eng.generate([1, 5, 6], 257, ignore_eos=True).tokens
                 finally:
+                    eng.run_ahead = None
                     if scheduled:
                         eng.scheduler.stop()
                         eng.scheduler = None
-            rows.append(("one stream per token, generate in this thread", per_token(False), ""))
-            rows.append(("one stream per token, through the scheduler", per_token(True), ""))
+            got = {}
+            for scheduled, ahead in ((False, False), (False, True), (True, False), (True, True)):
+                ms, got[scheduled, ahead] = per_token(scheduled, ahead)
+                where = "through the scheduler" if scheduled else "generate in this thread"
+                same = "" if not ahead else f"tokens {same_as(got[scheduled, True] == got[scheduled, False])}"
+                rows.append((f"one stream per token, {where}, {'run ahead' if ahead else 'one by one'}", ms, same))
+            for n in (1, 8):
+                for ahead in (False, True):
+                    rate = clients_in_process(eng, n, 6.0, ahead)
+                    rows.append((f"{n} in-process clients, {'run ahead' if ahead else 'one by one'}: tok/s (not ms)", rate, ""))
+            rows.append(("prefill of 3 tokens, eager", timed(lambda: m(torch.tensor([1, 5, 6], device=dev),
+                                                                       torch.arange(3, device=dev), 7), sync), ""))
+            batches = [batch_tokens(eng, ahead) for ahead in (False, True)]
+            rows.append(("8 sequences ending at different steps, run ahead", 0.0, f"tokens {same_as(batches[0] == batches[1])}"))
             buf = torch.empty(eng.weight_bytes() // 2, dtype=torch.bfloat16, device=dev)
             rows.append(("weights read floor (clone / 2)", timed(buf.clone, sync, n=10) / 2, ""))
     print(f"{d} KV heads; slots {m.cache_k.shape[1]}, positions {m.cache_k.shape[3]}")

@@ -49,6 +49,30 @@ def test_cached_decode_matches_full_recompute(tiny_model):
     assert set(eng.phases) >= {"weight_load", "kv_cache_alloc", "warmup"}
 
 
+def test_a_prompt_run_as_rows_of_one_slot_gives_the_prefills_logits(tiny_model):
+    """A prefill graph runs a prompt's tokens as decode rows of one slot at consecutive positions, padded with
+    rows at the spare position, keeping the last token's logits: the same logits as the prefill, the same KV
+    cache, and a chunk after the first reads the keys the first wrote."""
+    eng = Engine(EngineOptions(model=str(tiny_model), max_model_len=64, max_num_seqs=3))
+    eng.start()
+    m = eng.model
+    prompt = [256, 10, 20, 30, 40, 50, 60]
+    with torch.inference_mode():
+        want = m(torch.tensor(prompt), torch.arange(len(prompt)), 1)[-1]
+        cache = m.cache_k[:, 1, :, : len(prompt)].clone()
+        m.cache_k.zero_()
+        m.cache_v.zero_()
+        for chunk, start in ((prompt[:4], 0), (prompt[4:], 4)):
+            pad = 16 - len(chunk)
+            got = m.decode(torch.tensor(chunk + [0] * pad),
+                           torch.tensor([*range(start, start + len(chunk)), *[m.scratch] * pad]),
+                           torch.tensor([1] * 16), keep=torch.tensor([len(chunk) - 1]))
+    assert got.shape == (1, want.shape[-1])
+    assert torch.allclose(got[0], want, atol=1e-5), float((got[0] - want).abs().max())
+    assert torch.allclose(m.cache_k[:, 1, :, : len(prompt)], cache, atol=1e-6)
+    assert int(got[0].argmax()) == int(want.argmax())
+
+
 def test_greedy_is_repeatable_and_seeded_sampling_too(tiny_model):
     eng = Engine(EngineOptions(model=str(tiny_model), max_model_len=64))
     eng.start()

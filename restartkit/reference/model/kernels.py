@@ -85,14 +85,15 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_table: 
 
 
 def attend_decode(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,
-                  rows: torch.Tensor) -> torch.Tensor | None:
+                  rows: torch.Tensor, idle: int) -> torch.Tensor | None:
     """On a GPU with Triton: each row's query heads q [B, heads, hd] against the keys of slot rows[b] up to
     positions[b] in cache_k, cache_v [slots, kv_heads, positions, hd], in chunks of 64 keys (a row's keys
-    past its position are never read), the chunks combined in float32; [B, heads, hd].  Elsewhere None:
+    past its position are never read), the chunks combined in float32; [B, heads, hd].  A row at position
+    `idle` (a slot's spare position: a row nobody reads) attends to the first chunk only.  Elsewhere None:
     the caller's matrix products over a masked span (restartkit.reference.model.llama.attend)."""
     if not fused(q):
         return None
-    return _triton().attend_decode(q, cache_k, cache_v, positions, rows)
+    return _triton().attend_decode(q, cache_k, cache_v, positions, rows, idle)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

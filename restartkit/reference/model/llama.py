@@ -202,7 +202,7 @@ class Attention(nn.Module):
         B, hd, n_kv = x.shape[0], self.head_dim, self.n_kv
         q, k, v = self.qkv(x)
         q = kernels.rope_write_kv(q, k, v, *tables, positions, rows, cache_k, cache_v)
-        out = kernels.attend_decode(q, cache_k, cache_v, positions, rows)
+        out = kernels.attend_decode(q, cache_k, cache_v, positions, rows, cache_k.shape[2] - 1)
         if out is None:
             span = mask.shape[-1]  # the keys attended to: every position, or those up to the batch's last
             keys, values = cache_k[:, :, :span], cache_v[:, :, :span]
@@ -363,14 +363,15 @@ class LlamaForCausalLM(nn.Module):
         self.cache_k = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
         self.cache_v = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
         self.max_len, self.slots = max_len, slots
-        self._cos, self._sin = rope_tables(cfg.head_dim, max_len + 1, cfg.rope_theta, ref.dtype, ref.device, cfg.rope)
+        self._cos, self._sin = rope_tables(cfg.head_dim, positions, cfg.rope_theta, ref.dtype, ref.device, cfg.rope)
         self._key_pos = torch.arange(positions).to(ref.device)
         return 2 * self.cache_k.numel() * self.cache_k.element_size()
 
     @property
     def scratch(self) -> int:
-        """The spare position of every slot: a decode step over every slot writes there for a slot not decoding."""
-        return self.max_len
+        """The spare position of every slot, its last: a decode step over every slot writes there for a slot not
+        decoding (and its attention reads the first keys only: kernels.attend_decode)."""
+        return cache_positions(self.max_len) - 1
 
     def drop_kv_cache(self) -> None:
         self.cache_k = self.cache_v = None
@@ -397,17 +398,20 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(kernels.add_rms_norm(x, delta, norm.weight, norm.eps)[1]).float()
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None,
-               span: int | None = None) -> torch.Tensor:
+               span: int | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
         """One token of each of B sequences: tokens, positions int64 [B], row b in slot slots[b] (None: row b
         in slot b, the first B slots, as a CUDA graph runs); `span`: attend to the first span positions only
         (more than the batch's last; None: every position, as a CUDA graph must).  Returns float32 logits
-        [B, vocab]."""
+        [B, vocab], or of the rows `keep` only.  Rows may share a slot at consecutive positions (a prompt's
+        tokens, as a prefill graph runs them): each row's key and value are written before any row attends."""
         rows = self._key_pos[: tokens.shape[0]] if slots is None else slots
         mask = self._key_pos[:span].unsqueeze(0) > positions.unsqueeze(1)  # True: key j is past row b's position
         x, delta = self.model.embed_tokens(tokens), None
         for i, layer in enumerate(self.model.layers):
             x, delta = layer.decode(x, delta, (self._cos, self._sin), positions, rows, slots is not None,
                                     self.cache_k[i], self.cache_v[i], mask)
+        if keep is not None:
+            x, delta = x.index_select(0, keep), delta.index_select(0, keep)
         norm = self.model.norm
         return self.lm_head(kernels.add_rms_norm(x, delta, norm.weight, norm.eps)[1]).float()
 

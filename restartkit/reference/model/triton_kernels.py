@@ -118,9 +118,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _attend_chunk(q_ptr, ck_ptr, cv_ptr, pos_ptr, rows_ptr, acc_ptr, ml_ptr, n_kv, n_chunks, q_row, slot_stride,
-                  head_stride, scale, GROUP: tl.constexpr, QB: tl.constexpr, HD: tl.constexpr, CHUNK: tl.constexpr):
+                  head_stride, scale, idle, GROUP: tl.constexpr, QB: tl.constexpr, HD: tl.constexpr,
+                  CHUNK: tl.constexpr):
     """One chunk of one row's keys for one KV head's query heads: the chunk's softmax numerator (acc),
-    its largest score (m) and its sum (l), in float32; a chunk past the row's position writes m = -inf."""
+    its largest score (m) and its sum (l), in float32; a chunk past the row's position writes m = -inf.
+    A row at position `idle` reads its first chunk only (as if at position CHUNK - 1)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -128,6 +130,7 @@ def _attend_chunk(q_ptr, ck_ptr, cv_ptr, pos_ptr, rows_ptr, acc_ptr, ml_ptr, n_k
     g = tl.arange(0, QB)
     d = tl.arange(0, HD)
     pos = tl.load(pos_ptr + b)
+    pos = tl.where(pos == idle, CHUNK - 1, pos)
     start = c * CHUNK
     if start > pos:
         tl.store(ml_ptr + part * 2 * QB + g, tl.full([QB], float("-inf"), tl.float32))
@@ -151,14 +154,15 @@ def _attend_chunk(q_ptr, ck_ptr, cv_ptr, pos_ptr, rows_ptr, acc_ptr, ml_ptr, n_k
 
 
 @triton.jit
-def _attend_reduce(acc_ptr, ml_ptr, pos_ptr, out_ptr, n_heads, n_kv, n_chunks, GROUP: tl.constexpr,
+def _attend_reduce(acc_ptr, ml_ptr, pos_ptr, out_ptr, n_heads, n_kv, n_chunks, idle, GROUP: tl.constexpr,
                    QB: tl.constexpr, HD: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr):
     """One row's query head: its chunks combined (each scaled by exp(its max - the overall max))."""
     b = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1)
     h = hq // GROUP
     g = hq % GROUP
-    used = tl.load(pos_ptr + b) // CHUNK + 1
+    pos = tl.load(pos_ptr + b)
+    used = tl.where(pos == idle, 0, pos) // CHUNK + 1
     d = tl.arange(0, HD)
     first = (b * n_kv + h) * n_chunks
     big = tl.full([], float("-inf"), tl.float32)
@@ -182,10 +186,11 @@ def _attend_reduce(acc_ptr, ml_ptr, pos_ptr, out_ptr, n_heads, n_kv, n_chunks, G
 ATTEND_CHUNK = 64  # keys per program
 
 
-def attend_decode(q, cache_k, cache_v, positions, rows):
+def attend_decode(q, cache_k, cache_v, positions, rows, idle: int):
     """Each row's query heads q [B, heads, hd] against the keys of slot rows[b] up to positions[b] (inclusive)
     in cache_k, cache_v [slots, kv_heads, cache positions, hd]; returns [B, heads, hd].  Split over key
-    chunks (a row's keys past its position are never read), then the chunks combined: two kernels."""
+    chunks (a row's keys past its position are never read), then the chunks combined: two kernels.  A row at
+    position `idle` (nobody reads it) reads the first chunk only."""
     B, n_heads, hd = q.shape
     n_kv, length = cache_k.shape[1], cache_k.shape[2]
     assert q.is_contiguous() and cache_k.is_contiguous() and cache_v.stride() == cache_k.stride()
@@ -195,9 +200,9 @@ def attend_decode(q, cache_k, cache_v, positions, rows):
     acc = torch.empty(B * n_kv * n_chunks * qb, hd, dtype=torch.float32, device=q.device)
     ml = torch.empty(B * n_kv * n_chunks * 2 * qb, dtype=torch.float32, device=q.device)
     _attend_chunk[(B, n_kv, n_chunks)](q, cache_k, cache_v, positions, rows, acc, ml, n_kv, n_chunks, q.stride(0),
-                                       cache_k.stride(0), cache_k.stride(1), hd ** -0.5, GROUP=group, QB=qb,
+                                       cache_k.stride(0), cache_k.stride(1), hd ** -0.5, idle, GROUP=group, QB=qb,
                                        HD=hd, CHUNK=ATTEND_CHUNK, num_warps=4)
     out = torch.empty_like(q)
-    _attend_reduce[(B, n_heads)](acc, ml, positions, out, n_heads, n_kv, n_chunks, GROUP=group, QB=qb, HD=hd,
+    _attend_reduce[(B, n_heads)](acc, ml, positions, out, n_heads, n_kv, n_chunks, idle, GROUP=group, QB=qb, HD=hd,
                                  CHUNK=ATTEND_CHUNK, CB=16, num_warps=4)
     return out

@@ -15,7 +15,7 @@ from restartkit.reference.model import kernels
 from restartkit.reference.model.checkpoint import DTYPES
 from restartkit.reference.model.llama import LlamaForCausalLM, ModelConfig, Parallel, UnsupportedConfig, check_parallel
 from restartkit.reference.model.weights import build_model, processed_weights
-from restartkit.reference.runtime.graphs import DecodeGraphs
+from restartkit.reference.runtime.graphs import DecodeGraphs, Launch
 
 
 @dataclass
@@ -65,6 +65,8 @@ class Engine:
     draft: "Engine | None" = None  # a draft model: greedy requests decode speculatively with it
     spec_tokens: int = 3  # draft tokens proposed per round
     spec_counts: dict = field(default_factory=lambda: {"rounds": 0, "proposed": 0, "accepted": 0})
+    run_ahead: bool | None = None  # None: where decode graphs run (see runs_ahead)
+    _last_greedy: Launch | None = None  # the last greedy step without graphs (a chained step's tokens)
 
     # ---- start-up ----------------------------------------------------------
     @property
@@ -284,18 +286,44 @@ class Engine:
 
     @torch.inference_mode()
     def prefill(self, slot: int, tokens: list[int], start: int) -> torch.Tensor:
-        """Prompt tokens start.. of the sequence in `slot` into its KV cache; their logits [T, vocab]."""
+        """Prompt tokens start.. of the sequence in `slot` into its KV cache; their logits [T, vocab] (from a
+        prefill graph: the last token's only, [1, vocab])."""
         if self.leads:
             self._broadcast(CMD_PREFILL, [slot, start], tokens)
+        if self._graphs is not None and self._graphs.prefills(len(tokens)):  # the last token's logits only
+            return self._graphs.prefill(slot, tokens, start)
         dev = self.device
         return self.model(torch.tensor(tokens, device=dev), torch.arange(start, start + len(tokens)).to(dev), slot)
 
     def decode_greedy(self, slots: list[int], tokens: list[int], positions: list[int]) -> list[int]:
-        """`decode`, each row's likeliest token only (from a decode graph: copied back by the graph itself)."""
+        """`decode`, each row's likeliest token only."""
+        return self.launch_greedy(slots, tokens, positions).tokens(slots)
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether the scheduler may launch a greedy step before it has read the last one's tokens: with decode
+        graphs (their launch does not wait), or where `run_ahead` asks for it (one rank only)."""
+        return self.options.tp_size == 1 and (self._graphs is not None if self.run_ahead is None else self.run_ahead)
+
+    @torch.inference_mode()
+    def launch_greedy(self, slots: list[int], tokens: list[int] | None, positions: list[int],
+                      chained: bool = False) -> Launch:
+        """Start a decode step whose rows' likeliest tokens are read from the returned Launch (the argmax where
+        the logits are: one integer per row crosses to the host).  `chained` (one rank only): each slot's token
+        is the one its last launched step chose, still on the device; `tokens` is unused."""
         if self._graphs is not None:  # one rank only (graphs are captured at tp_size 1)
-            with torch.inference_mode():
-                return self._graphs.run(slots, tokens, positions, greedy=True)
-        return self.decode(slots, tokens, positions).argmax(dim=-1).tolist()
+            return self._graphs.launch(slots, tokens, positions, chained)[1]
+        if chained:
+            last = self._last_greedy  # the last step's choices, row by row in the order of its slots
+            where = {s: i for i, s in enumerate(last.slots)}
+            tok = last.values.index_select(0, torch.tensor([where[s] for s in slots], device=last.values.device))
+            dev = self.device
+            values = self.model.decode(tok, torch.tensor(positions, device=dev), torch.tensor(slots, device=dev),
+                                       span=max(positions) + 1).argmax(dim=-1)
+        else:
+            values = self.decode(slots, tokens, positions).argmax(dim=-1)
+        self._last_greedy = Launch(values, list(slots), by_slot=False)
+        return self._last_greedy
 
     @torch.inference_mode()
     def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:

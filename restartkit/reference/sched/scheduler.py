@@ -9,6 +9,13 @@ Each step, under the engine's lock:
   - every sequence past its prefill decodes one token, all of them in one forward pass;
   - sequences that met their end-of-sequence token or their max_tokens leave, freeing their slot.
 
+When every running sequence takes the argmax (Sampling.argmax) and nothing waits to join, the next step
+is launched before this one's tokens are read, where the engine's launch does not wait (decode graphs): it
+takes each sequence's token on the device, and the host emits this step's tokens while the device computes
+the next, so the host's part of a step is hidden.  A sequence that ends at this step's token (EOS, a stop
+token or string, its client gone) has one step computed in vain, whose key and value land past its end in a
+slot free by then; a sequence that ends by max_tokens at this step is not run ahead.
+
 Isolated sequences (restartkit's canary, speculative decoding) run in a batch of their own: a
 greedy token can depend on the batch it was computed in (a matrix product's summation order
 changes with its row count), and the canary must compare like with like across restarts.
@@ -49,10 +56,12 @@ class Scheduler:
         self.paused = 0  # exclusive() holders waiting or working
         self.unservable_since: float | None = None  # since when the waiting sequences wait for the engine
         self.stopped = False
-        # isolated: sequences that ran in a batch of their own to the end; shared_isolated: ones that did not
+        # isolated: sequences that ran in a batch of their own to the end; shared_isolated: ones that did not;
+        # ahead: greedy steps launched before the last one's tokens were read
         self.counts = {"steps": 0, "decode_rows": 0, "prefill_tokens": 0, "finished": 0, "cancelled": 0,
-                       "isolated": 0, "shared_isolated": 0}
+                       "isolated": 0, "shared_isolated": 0, "ahead": 0}
         self._thread: threading.Thread | None = None
+        self._ahead: tuple[list[Sequence], object] | None = None  # sequences and the step launched ahead for them
 
     # ---- the HTTP surface's side ------------------------------------------------------------
     def submit(self, seqs: list[Sequence]) -> None:
@@ -167,10 +176,13 @@ class Scheduler:
             self.engine.speculate(seq)
             self._leave(seq, None)
             return
-        decoding = [s for s in self.running if not s.prefilling]
         joining = next((s for s in self.running if s.prefilling), None)
+        decoding = [s for s in self.running if not s.prefilling]
         if joining is not None:
-            self._prefill_chunk(joining)
+            self._prefill_chunk(joining)  # launched while the step run ahead (if any) runs, and after it
+            if self._ahead is not None:  # that step was for the batch before this one joined
+                self._collect_ahead()
+                decoding = [s for s in decoding if s in self.running]
         if decoding:
             self._decode(decoding)
 
@@ -186,14 +198,58 @@ class Scheduler:
     def _decode(self, seqs: list[Sequence]) -> None:
         args = [s.slot for s in seqs], [s.tokens[-1] for s in seqs], [s.position for s in seqs]
         self.counts["decode_rows"] += len(seqs)
-        if all(s.sampling.plain_greedy and not (s.sampling.logprobs or s.sampling.top_logprobs) for s in seqs):
-            # the argmax where the logits are: one integer per row crosses to the host, not a vocabulary of floats
-            for seq, token in zip(seqs, self.engine.decode_greedy(*args)):
-                self._took(seq, token, None, None)
+        if all(s.sampling.argmax for s in seqs):
+            self._decode_greedy(seqs, *args)
             return
+        if self._ahead is not None:
+            self._collect_ahead()
+            seqs = [s for s in seqs if s in self.running]
+            if not seqs:
+                return
+            args = [s.slot for s in seqs], [s.tokens[-1] for s in seqs], [s.position for s in seqs]
         rows = self.engine.decode(*args).float().cpu()
         for i, seq in enumerate(seqs):
             self._take(seq, rows[i])
+
+    def _decode_greedy(self, seqs: list[Sequence], slots: list[int], tokens: list[int], positions: list[int]) -> None:
+        """Greedy tokens, the argmax taken where the logits are; this step is the one launched ahead at the
+        last step when there was one, and the next one is launched ahead when it may be."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and not set(seqs) <= set(ahead[0]):
+            self._ahead = ahead
+            self._collect_ahead()
+            seqs = [s for s in seqs if s in self.running]
+            if seqs:
+                self._decode_greedy(seqs, [s.slot for s in seqs], [s.tokens[-1] for s in seqs],
+                                    [s.position for s in seqs])
+            return
+        step = ahead[1] if ahead is not None else self.engine.launch_greedy(slots, tokens, positions)
+        if self._may_run_ahead(seqs):
+            self._ahead = seqs, self.engine.launch_greedy(slots, None, [p + 1 for p in positions], chained=True)
+            self.counts["ahead"] += 1
+        for seq, token in zip(seqs, step.tokens(slots)):
+            self._took(seq, token, None, None)
+
+    def _may_run_ahead(self, seqs: list[Sequence]) -> bool:
+        """Whether the next step may start before this one's tokens are read: the engine's launch does not
+        wait, nothing waits for a free slot, and no sequence ends by max_tokens at this step's token."""
+        return (self.engine.runs_ahead and not (self.waiting and self.free_slots)
+                and all(len(s.tokens) + 1 < s.sampling.max_tokens and not s.cancelled.is_set() for s in seqs))
+
+    def _collect_ahead(self) -> None:
+        """The step launched ahead, read: each of its sequences still running takes its token."""
+        seqs, step = self._ahead
+        self._ahead = None
+        live = [s for s in seqs if s in self.running]
+        for seq, token in zip(live, step.tokens([s.slot for s in live])):
+            self._took(seq, token, None, None)
+
+    def _drop_ahead(self) -> None:
+        """No sequence is left for the step launched ahead: wait for it (the engine may be handed to an
+        exclusive() holder next) and forget it."""
+        if self._ahead is not None:
+            step, self._ahead = self._ahead[1], None
+            step.wait()
 
     def _take(self, seq: Sequence, row) -> None:
         token, logprob, top = choose(seq, row, self.engine.options.seed, self.engine.config.eos_token_ids)
@@ -213,6 +269,8 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
             heapq.heappush(self.free_slots, seq.slot)
+            if not self.running:
+                self._drop_ahead()
         self._finish(seq, finish)
         with self.cond:
             self.cond.notify_all()  # an exclusive() waiting for the batch to empty
@@ -229,6 +287,7 @@ class Scheduler:
         seq.finished = True
 
     def _fail_running(self, error: Exception) -> None:
+        self._ahead = None  # a failed step's successor is not waited for: it may fail the same way
         for seq in list(self.running):
             seq.emit(Event(0, "error", error=error))
             self._leave(seq, "cancelled")

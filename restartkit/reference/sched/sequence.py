@@ -44,6 +44,13 @@ class Sampling:
         return self.temperature == 0 and not self.penalised and not (
             self.min_tokens or self.stop_token_ids or self.ignore_eos)
 
+    @property
+    def argmax(self) -> bool:
+        """Each token is the argmax of the model's own logits (which the device can take where the logits are):
+        greedy, no penalty, nothing held back, no logprobs.  Stop tokens and ignore_eos say only where it ends."""
+        return self.temperature == 0 and not self.penalised and not self.min_tokens and not (
+            self.logprobs or self.top_logprobs)
+
 
 @dataclass
 class Event:
