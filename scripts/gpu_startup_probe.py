@@ -239,160 +239,6 @@ def child(preset: str, mode: str = "") -> dict:
     return {k: round(v, 4) for k, v in t.items()}
 
 
-# ---- the model's parts, the shipped ones against the ones they replaced -------------
-CANDIDATES = {
-    "as shipped": "",
-    "previous rotary (device tables, negation)": "old_rope",
-    "previous RMSNorm (rsqrt of mean)": "old_rms",
-    "previous attention (SDPA, GQA, mask)": "old_attn",
-    "positions by a device arange": "pos_device",
-    "previous model (all four)": "old_rope,old_rms,old_attn,pos_device",
-    "warm-up prompt of 1 token": "warm1",
-    "warm-up prompt of 7 tokens (the probe's)": "warm7",
-}
-
-
-def patch_model(cands: set) -> None:
-    """Put back the parts of the reference model that the shipped ones replaced (the probe's copies)."""
-    import torch
-    import torch.nn.functional as F
-    from restartkit.reference.model import llama as M
-    if "old_rope" in cands:
-        def rope_tables(head_dim, max_len, theta, dtype, device):
-            inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-            emb = torch.outer(torch.arange(max_len, dtype=torch.float32, device=device), inv)
-            emb = torch.cat((emb, emb), dim=-1)
-            return emb.cos(), emb.sin()
-
-        def apply_rope(x, cos, sin):
-            half = x.shape[-1] // 2
-            rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-            return x * cos.unsqueeze(1).to(x.dtype) + rotated * sin.unsqueeze(1).to(x.dtype)
-        M.rope_tables, M.apply_rope = rope_tables, apply_rope
-        shipped_alloc = M.LlamaForCausalLM.allocate_kv_cache
-
-        def alloc(self, max_len):
-            n = shipped_alloc(self, max_len)
-            self._key_pos = torch.arange(max_len, device=self.lm_head.weight.device)
-            return n
-        M.LlamaForCausalLM.allocate_kv_cache = alloc
-    if "old_rms" in cands:
-        def rms(self, x):
-            x32 = x.float()
-            return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        M.RMSNorm.forward = rms
-    if "old_attn" in cands:
-        def attn(self, x, cos, sin, positions, cache_k, cache_v, mask):
-            T = x.shape[0]
-            q = M.apply_rope(self.q_proj(x).view(T, self.n_heads, self.head_dim), cos, sin)
-            k = M.apply_rope(self.k_proj(x).view(T, self.n_kv, self.head_dim), cos, sin)
-            cache_k.index_copy_(0, positions, k)
-            cache_v.index_copy_(0, positions, self.v_proj(x).view(T, self.n_kv, self.head_dim))
-            out = F.scaled_dot_product_attention(q.transpose(0, 1), cache_k.transpose(0, 1), cache_v.transpose(0, 1),
-                                                 attn_mask=mask, enable_gqa=True)
-            return self.par.reduce(self.o_proj(out.transpose(0, 1).reshape(T, self.n_heads * self.head_dim)))
-
-        def forward(self, tokens, positions):
-            cos, sin = self._cos.index_select(0, positions), self._sin.index_select(0, positions)
-            mask = self._key_pos.unsqueeze(0) <= positions.unsqueeze(1)
-            x = self.model.embed_tokens(tokens)
-            for i, layer in enumerate(self.model.layers):
-                x = layer(x, cos, sin, positions, self.cache_k[i], self.cache_v[i], mask)
-            return self.lm_head(self.model.norm(x)).float()
-        M.Attention.forward, M.LlamaForCausalLM.forward = attn, forward
-
-
-def candidate_child(preset: str, spec: str, with_ops: bool) -> dict:
-    cands = {c for c in spec.split(",") if c}
-    t0 = time.perf_counter()
-    import torch
-    out = {"import_torch": round(time.perf_counter() - t0, 4)}
-    cuda = os.environ.get("PROBE_DEVICE", "cuda") == "cuda"  # cpu: a dry run of the probe itself
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    if cuda:
-        torch.cuda.set_device(0)
-    patch_model(cands)
-    from restartkit.reference.model.checkpoint import PRESETS
-    from restartkit.reference.runtime.graphs import DecodeGraphs
-    from restartkit.reference.model.llama import SINGLE
-    from restartkit.reference.model.weights import build_model
-    cfg = PRESETS[preset].config
-    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    model = build_model(cfg, SINGLE, torch.bfloat16, "none")
-    torch.manual_seed(0)
-    for name, p in list(model.named_parameters()):  # random weights made on the device (one kernel module)
-        mod_name, _, attr = name.rpartition(".")
-        t = torch.empty(p.shape, dtype=torch.bfloat16, device=dev).normal_(0, 0.02)
-        setattr(model.get_submodule(mod_name), attr, torch.nn.Parameter(t, requires_grad=False))
-    sync()
-    positions = (lambda n, start=0: torch.arange(start, start + n, device=dev)) if "pos_device" in cands \
-        else (lambda n, start=0: torch.arange(start, start + n).to(dev))
-
-    def timed(name, fn):
-        s = time.perf_counter()
-        r = fn()
-        sync()
-        out[name] = round(time.perf_counter() - s, 4)
-        return r
-    with torch.inference_mode():
-        timed("kv_cache_alloc", lambda: model.allocate_kv_cache(4096))
-        n = 1 if "warm1" in cands else 7 if "warm7" in cands else 4  # the engine's warm-up prompt: 4 tokens
-        prompt = torch.tensor([256, 1, 2, 3, 4, 5, 6][:n], device=dev)
-        if with_ops:
-            first = {}
-            from torch.utils._python_dispatch import TorchDispatchMode
-
-            class Timer(TorchDispatchMode):
-                def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                    sync()
-                    s = time.perf_counter()
-                    r = func(*args, **(kwargs or {}))
-                    sync()
-                    first.setdefault(str(func.overloadpacket.__name__), round(time.perf_counter() - s, 4))
-                    return r
-            with Timer():
-                timed("first_prefill", lambda: model(prompt, positions(n))[-1].float().cpu())
-            out["ops"] = dict(sorted(first.items(), key=lambda kv: -kv[1]))
-        else:
-            timed("first_prefill", lambda: model(prompt, positions(n))[-1].float().cpu())
-        if cuda:  # as the engine: the capture runs the first decode steps eagerly
-            timed("graph_capture", lambda: DecodeGraphs(model, dev))
-        else:
-            timed("first_decode", lambda: model(torch.tensor([5], device=dev), positions(1, n))[0].float().cpu())
-        # restartkit's readiness probe: "ready?" is 7 tokens with BOS
-        probe = torch.tensor([256, 114, 101, 97, 100, 121, 63], device=dev)
-        logits = timed("probe_prefill", lambda: model(probe, positions(7))[-1].float().cpu())
-        timed("second_prefill", lambda: model(probe, positions(7))[-1].float().cpu())
-        out["argmax"] = int(torch.argmax(logits))
-    return out
-
-
-def run_candidates(a, run) -> dict:
-    keys = ["kv_cache_alloc", "first_prefill", "graph_capture", "probe_prefill", "second_prefill"]
-    results = {}
-    print(f"{'candidate':<44}" + "".join(f"{k:>16}" for k in keys) + f"{'to ready':>10}{'argmax':>8}")
-    for name, spec in CANDIDATES.items():
-        if a.only and not any(o in name for o in a.only.split(",")):
-            continue
-        results[name] = []
-        for _ in range(a.repeat):
-            try:
-                r = run({"mode": "cand"}, ("--cand", spec))
-            except SystemExit:
-                print(f"{name:<44} failed")
-                break
-            results[name].append(r)
-            print(f"{name:<44}" + "".join(f"{r.get(k, 0):>16.4f}" for k in keys)
-                  + f"{sum(r.get(k, 0) for k in keys[:4]):>10.4f}{r['argmax']:>8}", flush=True)
-    for spec in ("", CANDIDATES["previous model (all four)"]) if not a.only else ():
-        r = run({"mode": "cand_ops"}, ("--cand", spec))
-        results[f"ops [{spec}]"] = r
-        print(f"first prefill op by op [{spec or 'as shipped'}]: {r['first_prefill']} s")
-        for op, dt in list(r["ops"].items())[:16]:
-            print(f"    {op:<44}{dt:>9.4f}")
-    return results
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="8b-shape")
@@ -401,14 +247,8 @@ def main() -> int:
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--mode", default="")
     ap.add_argument("--sdpa", default="default", help="default, or an SDPBackend name for the op-by-op run (math, ...)")
-    ap.add_argument("--cand", default="")
-    ap.add_argument("--only", default="", help="with --candidates: only those whose name contains one of these (comma-separated)")
-    ap.add_argument("--candidates", action="store_true", help="only the candidate model changes (CANDIDATES)")
     a = ap.parse_args()
     if a.child:
-        if a.mode.startswith("cand"):
-            print(json.dumps(candidate_child(a.preset, a.cand, a.mode == "cand_ops")))
-            return 0
         if a.mode.startswith("floor"):
             print(json.dumps(floor_child(a.mode == "floor_ctx_thread")))
         elif a.mode.startswith("par"):
@@ -428,12 +268,6 @@ def main() -> int:
             raise SystemExit(1)
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    if a.candidates:
-        results = run_candidates(a, run)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(results, f, indent=2)
-        return 0
     results = {}
     for name, v in FLOOR_VARIANTS.items():
         results[name] = [run(v) for _ in range(a.repeat)]
