@@ -43,7 +43,9 @@ def graph_sizes(slots: int) -> list[int]:
 
 
 class Launch:
-    """A decode step on its way: each slot's likeliest token, read by `tokens` (which waits for the step)."""
+    """A decode step on its way: each slot's likeliest token, read by `tokens` (which waits for the step).  A
+    graph's Launch is read before the launch after next, which reuses its host buffer (the scheduler reads each
+    step before it launches the one after the step run ahead)."""
 
     def __init__(self, values: torch.Tensor, slots: list[int], event=None, by_slot: bool = True):
         self.values, self.slots, self.event = values, slots, event
