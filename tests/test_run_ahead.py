@@ -3,14 +3,21 @@ one's tokens are read takes each sequence's token on the device.  Where decode g
 itself; here the real tiny model on the CPU runs it (Engine.run_ahead), driven step by step so that what joins,
 leaves or is cancelled happens at the same step every run: each sequence gets the tokens it gets from steps run
 one by one, a sequence that meets its EOS ends there (the step run ahead for it is dropped, and its slot serves
-the next sequence as if it were new), and a batch joined or cut mid-run keeps every other sequence's tokens."""
+the next sequence as if it were new), and a batch joined or cut mid-run keeps every other sequence's tokens.
+A server started with `--run-ahead on` serves clients, cancels, and keeps its canary, through HTTP."""
 import dataclasses
+import json
+import socket
+import threading
+import time
+import urllib.request
 
 import pytest
 
 from restartkit.reference.runtime.engine import Engine, EngineOptions
 from restartkit.reference.sched.scheduler import Scheduler
 from restartkit.reference.sched.sequence import Sampling, Sequence
+from tests.helpers import serve_reference
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +106,77 @@ def test_a_sequence_that_meets_its_eos_ends_there_and_its_slot_serves_the_next(e
     assert got[id(second)] == (alone[tuple(beside)], "length")
     assert got[id(then)] == (alone[tuple(later)], "length")  # after a step that wrote past the first one's end
     assert counts["ahead"] >= 14
+
+
+def post(port: int, body: dict, headers: dict | None = None) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def counts(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/stats", timeout=10) as r:
+        return json.loads(r.read())["scheduler"]
+
+
+@pytest.mark.slow
+def test_a_server_told_to_run_ahead_serves_clients_cancels_and_canaries(tiny_model):
+    """`--run-ahead on` on the CPU, through HTTP: 4 clients asking greedy completions (one ending at a stop token)
+    all get whole answers while steps run ahead; the canary under that load equals the canary idle; a client that
+    leaves mid-answer has its sequences cancelled and the engine stops computing for it; the next client is served."""
+    proc, port = serve_reference(tiny_model, "--run-ahead", "on", "--max-num-seqs", "4", "--threads", "1",
+                                 max_model_len=512)
+    try:
+        def ask(prompt, n, **extra):
+            return post(port, {"prompt": prompt, "max_tokens": n, "temperature": 0, **extra})["choices"][0]
+
+        canary = {"X-Restartkit-Canary": "1"}
+        idle = post(port, {"prompt": [1, 3, 7], "max_tokens": 32, "temperature": 0}, canary)["choices"][0]
+        stop_at = ask([1, 8, 9], 40, ignore_eos=True)["token_ids"][10]
+        answers, errors = {}, []
+
+        def client(i):
+            try:
+                for _ in range(3):
+                    extra = {"ignore_eos": True, **({"stop_token_ids": [stop_at]} if i == 0 else {})}
+                    answers.setdefault(i, []).append(ask([1, 8, 9] if i == 0 else [1, 20 + i, 5], 40, **extra))
+            except Exception as e:  # noqa: BLE001 (the assertion below names it)
+                errors.append(e)
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        busy = post(port, {"prompt": [1, 3, 7], "max_tokens": 32, "temperature": 0}, canary)["choices"][0]
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert busy["token_ids"] == idle["token_ids"]
+        for i, got in answers.items():
+            assert len(got) == 3
+            for a in got:
+                if i == 0:
+                    assert a["finish_reason"] == "stop" and a["token_ids"][-1] == stop_at, a
+                else:
+                    assert a["finish_reason"] == "length" and len(a["token_ids"]) == 40, a
+        assert counts(port)["ahead"] > 20  # steps launched ahead: it ran
+
+        before = counts(port)["cancelled"]
+        body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 400, "temperature": 0, "n": 2, "ignore_eos": True,
+                           "stream": True}).encode()
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
+        assert s.recv(4096)  # it has started answering
+        s.close()
+        end = time.monotonic() + 30
+        while counts(port)["running"] or counts(port)["cancelled"] < before + 2:
+            assert time.monotonic() < end, f"still running 30 s after its client left: {counts(port)}"
+            time.sleep(0.02)
+        rows = counts(port)["decode_rows"]
+        time.sleep(0.3)
+        assert counts(port)["decode_rows"] == rows
+        assert ask([1, 3, 7], 32)["token_ids"] == idle["token_ids"]
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -39,6 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-queued-seqs", type=_positive, default=256,
                    help="sequences waiting for a slot; a request that would queue more gets a 503 with Retry-After")
     p.add_argument("--no-cuda-graph", action="store_true")
+    p.add_argument("--run-ahead", default="auto", choices=["auto", "on", "off"],
+                   help="launch a greedy batch's next decode step before this one's tokens are read (auto: where "
+                        "CUDA graphs run; on: on the CPU too, where it hides nothing; off: never)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--api-key", default=os.environ.get("RESTARTKIT_API_KEY") or None,
                    help="clients must send it (Authorization: Bearer) to /v1/*, /tokenize and /detokenize; "

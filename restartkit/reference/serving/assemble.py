@@ -135,6 +135,7 @@ def _load(args, state: State, outcome: dict, gate=None) -> None:
         outcome["error"] = f"{type(e).__name__}: {e}"
         return
     from restartkit.reference.sched.scheduler import Scheduler
+    engine.run_ahead = {"auto": None, "on": True, "off": False}[args.run_ahead]
     engine.scheduler = Scheduler(engine, args.max_num_seqs, args.max_queued_seqs)
     engine.scheduler.start()
     state.engine = engine
