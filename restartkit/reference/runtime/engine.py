@@ -317,9 +317,7 @@ class Engine:
             last = self._last_greedy  # the last step's choices, row by row in the order of its slots
             where = {s: i for i, s in enumerate(last.slots)}
             tok = last.values.index_select(0, torch.tensor([where[s] for s in slots], device=last.values.device))
-            dev = self.device
-            values = self.model.decode(tok, torch.tensor(positions, device=dev), torch.tensor(slots, device=dev),
-                                       span=max(positions) + 1).argmax(dim=-1)
+            values = self._eager_decode(tok, slots, positions).argmax(dim=-1)
         else:
             values = self.decode(slots, tokens, positions).argmax(dim=-1)
         self._last_greedy = Launch(values, list(slots), by_slot=False)
@@ -334,9 +332,13 @@ class Engine:
             self._broadcast(CMD_DECODE, [len(slots)], [*slots, *tokens, *positions])
         if self._graphs is not None:
             return self._graphs.run(slots, tokens, positions)
+        return self._eager_decode(torch.tensor(tokens, device=self.device), slots, positions)
+
+    def _eager_decode(self, tokens: torch.Tensor, slots: list[int], positions: list[int]) -> torch.Tensor:
+        """`decode` without a graph, the tokens already on the device; attends up to the batch's last position."""
         dev = self.device
-        return self.model.decode(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
-                                 torch.tensor(slots, device=dev), span=max(positions) + 1)
+        return self.model.decode(tokens, torch.tensor(positions, device=dev), torch.tensor(slots, device=dev),
+                                 span=max(positions) + 1)
 
     @torch.inference_mode()
     def speculate(self, seq) -> None:
