@@ -15,7 +15,8 @@ from restartkit.errors import EXIT_NOT_SERVING, EXIT_SERVING, RestartkitError
 from restartkit.process.seam import Cut
 from restartkit.record import render_record
 from restartkit.options import (Seconds, json_option, policy_option, reason_option, state_dir_option, state_root,
-                                strategy_option, wait_option)
+                                strategy_option, unit_dir_option, wait_option)
+from restartkit.contracts import STRATEGY_NAMES, STRATEGY_SUMMARIES
 
 
 COLOR = False if os.environ.get("NO_COLOR") else None  # https://no-color.org: any value turns colour off
@@ -78,11 +79,13 @@ def load(policy_path: str):
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="restartkit")
 def main():
-    """Bring an LLM inference engine back fast after a restart, and prove which path it took.
+    """Bring an LLM inference engine back fast after a restart, and prove which path it took."""
 
-    Strategies: sleep (park weights, stay in process), ipc (attach weights from a
-    weight-cache daemon), criu (restore a process snapshot), cold (a normal start;
-    the recovery path of every other strategy)."""
+
+main.help = (main.help + "\n\n\b\nStrategies (auto tries them fastest first, by evidence):\n"
+             + "\n".join(f"  {name:<9} {STRATEGY_SUMMARIES[name]}" for name in STRATEGY_NAMES)
+             + "\n\n\b\nExamples:\n  restartkit demo\n  restartkit plan --policy llm.toml\n"
+               "  restartkit restart --policy llm.toml --strategy auto")
 
 
 # ---- host and policy --------------------------------------------------------------
@@ -93,7 +96,12 @@ def main():
 @click.option("--criu-path", default="", help="CRIU binary to report on (default: the usual lookup).")
 @friendly
 def facts(as_json, criu_path):
-    """What this host can do: arch, kernel, GPUs, CRIU, io_uring, memory, disk."""
+    """What this host can do: arch, kernel, GPUs, CRIU, io_uring, memory, disk.
+
+    \b
+    Examples:
+      restartkit facts
+      restartkit facts --json | jq .criu"""
     from restartkit import facts as hf
     f = hf.gather(state_root(), criu_path)
     gpus = "; ".join(f"{g.index}: {g.name} {g.uuid} {g.memory_total_bytes / 2**30:.0f} GiB" for g in f.gpus) or f"none ({f.nvml_error})"
@@ -230,7 +238,12 @@ def restart_and_exit(policy_path, strategy: str, as_json: bool, command: str, wa
 @state_dir_option
 @friendly
 def start(policy_path, wait_s, as_json):
-    """Start the service's engine (a cold start) and wait until it answers."""
+    """Start the service's engine (a cold start) and wait until it answers.
+
+    \b
+    Examples:
+      restartkit start --policy llm.toml
+      restartkit start --policy llm.toml --wait 60 --json"""
     from restartkit.guard.deferred import cut_short
     svc = load(policy_path)
     progress_for(svc, as_json)
@@ -255,7 +268,12 @@ def start(policy_path, wait_s, as_json):
 @friendly
 def stop(policy_path, wait_s, as_json):
     """Stop the service's engine: SIGTERM, wait, SIGKILL.  Under `restartkit supervise`, through the
-    supervisor (which stops the engine and exits), so that the stop is not taken for a crash."""
+    supervisor (which stops the engine and exits), so that the stop is not taken for a crash.
+
+    \b
+    Examples:
+      restartkit stop --policy llm.toml
+      restartkit stop --policy llm.toml --wait 30"""
     from restartkit.commands.supervise import stop_supervisor
     from restartkit.errors import EngineStartError
     svc = load(policy_path)
@@ -363,8 +381,7 @@ def _alive(pid: int) -> bool:
 @main.command()
 @policy_option
 @click.option("--install-unit", is_flag=True, help="Write a systemd unit (Type=notify) that runs this, and exit.")
-@click.option("--unit-dir", default="/etc/systemd/system", show_default=True,
-              type=click.Path(file_okay=False, exists=True, writable=True))
+@unit_dir_option
 @click.option("--watchdog-sec", type=click.IntRange(min=0, max=86400), default=0, show_default=True,
               help="With --install-unit: WatchdogSec= of the unit (0: none).")
 @click.option("--user", "unit_user", default=None, metavar="NAME",
@@ -405,12 +422,39 @@ def supervise(policy_path, install_unit, unit_dir, watchdog_sec, unit_user):
 
 @main.command()
 @policy_option
+@click.option("--pid", type=click.IntRange(min=1), required=True, help="supervise's PID (a unit passes $MAINPID).")
+@click.option("--timeout", "timeout_s", type=Seconds(1), default=None,
+              help="Seconds to wait for the restart's record.  [default: the policy's stop and start timeouts + 60]")
+@state_dir_option
+@friendly
+def reload(policy_path, pid, timeout_s):
+    """A planned restart of a supervised service (SIGHUP) that returns when it is done, with its outcome.
+
+    The unit's ExecReload=, so that `systemctl reload` waits for the restart and shows how it ended.
+
+    \b
+    Examples:
+      restartkit reload --policy llm.toml --pid "$(systemctl show -p MainPID --value restartkit-llm)"
+      systemctl reload restartkit-llm     # runs the line above"""
+    from restartkit.commands.reload import reload as run_reload
+    svc = load(policy_path)
+    r = svc.policy.restart
+    sys.exit(run_reload(svc.state_dir, pid, timeout_s or r["stop_timeout_s"] + r["start_timeout_s"] + 60, say))
+
+
+@main.command()
+@policy_option
 @click.option("--last", type=click.IntRange(min=0), default=10, show_default=True, help="0: all.")
 @json_option
 @state_dir_option
 @friendly
 def history(policy_path, last, as_json):
-    """The last restart records of a service."""
+    """The last restart records of a service.
+
+    \b
+    Examples:
+      restartkit history --policy llm.toml
+      restartkit history --policy llm.toml --last 0 --json"""
     from restartkit.record import load_history
     svc = load(policy_path)
     got = load_history(svc.state_dir, last)
@@ -446,8 +490,7 @@ def history(policy_path, last, as_json):
 @click.option("--detach", is_flag=True, help="Run the launcher in the background; return once every rank is ready.")
 @click.option("--wait-ready", is_flag=True, help="Start nothing: wait until a running weight cache is ready.")
 @click.option("--install-unit", is_flag=True, help="Write a systemd unit for the weight cache (before the engine's), and exit.")
-@click.option("--unit-dir", default="/etc/systemd/system", show_default=True,
-              type=click.Path(file_okay=False, exists=True, writable=True))
+@unit_dir_option
 @click.option("--user", "unit_user", default=None, metavar="NAME", help="With --install-unit: User= of the unit.")
 @state_dir_option
 @friendly
@@ -481,7 +524,12 @@ def preload(policy_path, detach, wait_ready, install_unit, unit_dir, unit_user, 
 @state_dir_option
 @friendly
 def rollout(policy_path, wait_s, as_json):
-    """Put a service on its weight cache: cache first, then an ipc restart with fallback off, then the policy's own."""
+    """Put a service on its weight cache: cache first, then an ipc restart with fallback off, then the policy's own.
+
+    \b
+    Examples:
+      restartkit rollout --policy llm.toml
+      restartkit rollout --policy llm.toml --json"""
     from restartkit.commands.rollout import rollout as do_rollout
     svc = load(policy_path)
     with guarded(svc, "rollout", wait_s):
@@ -503,7 +551,11 @@ def standby():
 @state_dir_option
 @friendly
 def standby_arm(policy_path, wait_s, as_json):
-    """Start a standby engine (a standby already armed is replaced) and wait until it is prepared."""
+    """Start a standby engine (a standby already armed is replaced) and wait until it is prepared.
+
+    \b
+    Examples:
+      restartkit standby arm --policy llm.toml"""
     from restartkit.commands.standby import arm_prepared
     svc = load(policy_path)
     with guarded(svc, "standby arm", wait_s):
@@ -518,7 +570,11 @@ def standby_arm(policy_path, wait_s, as_json):
 @state_dir_option
 @friendly
 def standby_status(policy_path, as_json):
-    """The standby engine, if one is armed: PID, state, memory, and whether it can be promoted (exit 0 only then)."""
+    """The standby engine, if one is armed: PID, state, memory, and whether it can be promoted (exit 0 only then).
+
+    \b
+    Examples:
+      restartkit standby status --policy llm.toml --json"""
     from restartkit.commands.standby import frozen, stale, state
     svc = load(policy_path)
     st = state(svc)
@@ -537,7 +593,11 @@ def standby_status(policy_path, as_json):
 @state_dir_option
 @friendly
 def standby_disarm(policy_path, wait_s):
-    """Stop the standby engine."""
+    """Stop the standby engine.
+
+    \b
+    Examples:
+      restartkit standby disarm --policy llm.toml"""
     from restartkit.commands.standby import disarm
     svc = load(policy_path)
     with guarded(svc, "standby disarm", wait_s):
@@ -556,7 +616,12 @@ def weightcache():
 @state_dir_option
 @friendly
 def weightcache_status(policy_path, as_json):
-    """Each rank's daemon: state, fingerprint, bytes, attached engines."""
+    """Each rank's daemon: state, fingerprint, bytes, attached engines.
+
+    \b
+    Examples:
+      restartkit weightcache status --policy llm.toml
+      restartkit weightcache status --policy llm.toml --json"""
     from restartkit.weightcache.client import daemon_stats
     stats = daemon_stats(load(policy_path).policy)
     text = "\n".join(f"{d['device_uuid']}{' (draft)' if d.get('draft') else ''}: {d.get('state')}"
@@ -574,7 +639,12 @@ def weightcache_status(policy_path, as_json):
 @state_dir_option
 @friendly
 def weightcache_release(policy_path, force, stop_daemons, as_json):
-    """Free the daemons' memory (or stop them); refused while zero_copy engines are attached."""
+    """Free the daemons' memory (or stop them); refused while zero_copy engines are attached.
+
+    \b
+    Examples:
+      restartkit weightcache release --policy llm.toml
+      restartkit weightcache release --policy llm.toml --stop"""
     from restartkit.weightcache.client import send_all
     replies = send_all(load(policy_path).policy, "stop" if stop_daemons else "release", force)
     emit({"replies": replies}, as_json, "\n".join(f"{r['device_uuid']}: {'ok' if r.get('ok') else r.get('message') or r.get('error')}" for r in replies))
@@ -591,7 +661,12 @@ def weightcache_release(policy_path, force, stop_daemons, as_json):
 @state_dir_option
 @friendly
 def sleep_cmd(policy_path, level, wait_s, as_json):
-    """Put the engine to sleep: park (1) or drop (2) its weights, free its KV cache."""
+    """Put the engine to sleep: park (1) or drop (2) its weights, free its KV cache.
+
+    \b
+    Examples:
+      restartkit sleep --policy llm.toml --level 1
+      restartkit sleep --policy llm.toml --level 2 --json"""
     svc = load(policy_path)
     with guarded(svc, "sleep", wait_s):
         cycle = _sleep(svc, level)
@@ -629,7 +704,11 @@ def _sleep(svc, level):
 @state_dir_option
 @friendly
 def wake_cmd(policy_path, wait_s, as_json):
-    """Wake a sleeping engine, prove it by the canary; on failure, recover with a cold start."""
+    """Wake a sleeping engine, prove it by the canary; on failure, recover with a cold start.
+
+    \b
+    Examples:
+      restartkit wake --policy llm.toml"""
     restart_and_exit(policy_path, "sleep", as_json, "wake", wait_s)
 
 
@@ -687,7 +766,11 @@ def snapshot_create(policy_path, stop_engine, wait_s, as_json):
 @state_dir_option
 @friendly
 def snapshot_restore(policy_path, wait_s, as_json):
-    """Restore the current snapshot as the engine: criu (criu+ipc for a weights-less one), with its recovery path."""
+    """Restore the current snapshot as the engine: criu (criu+ipc for a weights-less one), with its recovery path.
+
+    \b
+    Examples:
+      restartkit snapshot restore --policy llm.toml"""
     from restartkit.snapshot.ops import store_for
     cur = store_for(load(policy_path)).current()
     strategy = "criu+ipc" if cur is not None and cur.manifest.get("kind") == "weightless" else "criu"
@@ -701,7 +784,12 @@ def snapshot_restore(policy_path, wait_s, as_json):
 @state_dir_option
 @friendly
 def snapshot_list(policy_path, as_json):
-    """Snapshots on disk, newest last; * marks current."""
+    """Snapshots on disk, newest last; * marks current.
+
+    \b
+    Examples:
+      restartkit snapshot list --policy llm.toml
+      restartkit snapshot list --policy llm.toml --json"""
     from restartkit.snapshot.ops import store_for
     store = store_for(load(policy_path))
     cur = store.current()
@@ -741,7 +829,11 @@ def _pick_snapshot(svc, snapshot_id: str | None):
 @state_dir_option
 @friendly
 def snapshot_inspect(policy_path, snapshot_id, as_json):
-    """A snapshot's manifest, and how its identity compares with this host."""
+    """A snapshot's manifest, and how its identity compares with this host.
+
+    \b
+    Examples:
+      restartkit snapshot inspect --policy llm.toml 20261204T020000Z"""
     from restartkit.snapshot.ops import host_identity, mismatches
     svc, facts = _snapshot_context(policy_path)
     snap = _pick_snapshot(svc, snapshot_id)[1]
@@ -764,7 +856,12 @@ def snapshot_inspect(policy_path, snapshot_id, as_json):
 def snapshot_test(policy_path, snapshot_id, wait_s, as_json):
     """Restore a copy of a snapshot (default: current) beside the serving engine, in namespaces of its
     own, and check its canary; the engine is not touched. A snapshot that fails is marked suspect;
-    one that passes is cleared of an earlier mark."""
+    one that passes is cleared of an earlier mark.
+
+    \b
+    Examples:
+      restartkit snapshot test --policy llm.toml
+      restartkit snapshot test --policy llm.toml 20261204T020000Z"""
     from restartkit.snapshot.trial import test_restore
     from restartkit.snapshot.ops import snapshot_metrics
     svc = load(policy_path)
@@ -793,7 +890,11 @@ def snapshot_test(policy_path, snapshot_id, wait_s, as_json):
 @state_dir_option
 @friendly
 def snapshot_prune(policy_path, keep, wait_s):
-    """Remove all but the newest N snapshots (never the current one)."""
+    """Remove all but the newest N snapshots (never the current one).
+
+    \b
+    Examples:
+      restartkit snapshot prune --policy llm.toml --keep 2"""
     from restartkit.snapshot.ops import snapshot_metrics, store_for
     svc = load(policy_path)
     with guarded(svc, "snapshot prune", wait_s):
@@ -806,8 +907,7 @@ def snapshot_prune(policy_path, keep, wait_s):
 @policy_option
 @click.option("--force", is_flag=True, help="Take a new snapshot even if the current one is fresh.")
 @click.option("--install-timer", is_flag=True, help="Write a systemd .service/.timer pair and print the crontab line.")
-@click.option("--unit-dir", default="/etc/systemd/system", show_default=True,
-              type=click.Path(file_okay=False, exists=True, writable=True))
+@unit_dir_option
 @wait_option
 @state_dir_option
 @friendly
@@ -861,7 +961,12 @@ def model():
               help="Where to generate the random weights (cuda is much faster for 8b-shape).")
 @friendly
 def model_create(preset, out, seed, dtype, device):
-    """Write deterministic seeded random weights for a preset."""
+    """Write deterministic seeded random weights for a preset.
+
+    \b
+    Examples:
+      restartkit model create --out ./m
+      restartkit model create --preset 8b-shape --dtype bfloat16 --device cuda --out /srv/models/8b"""
     import os
     from restartkit.errors import UsageError
     from restartkit.reference.model.checkpoint import write_checkpoint
@@ -884,10 +989,18 @@ def engine():
     """The reference engine."""
 
 
-@engine.command("serve", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@engine.command("serve", add_help_option=False,
+                context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.pass_context
 def engine_serve(ctx):
-    """Serve a checkpoint: restartkit engine serve --model DIR [--port N] [--device cpu|cuda] ..."""
+    """Serve a checkpoint: restartkit engine serve --model DIR [--port N] [--device cpu|cuda] ...
+
+    Every option is the reference server's own: restartkit engine serve --help lists them.
+
+    \b
+    Examples:
+      restartkit engine serve --model ./m --port 8000
+      restartkit engine serve --help     # every option"""
     from restartkit.reference.serving.server import main as serve_main
     sys.exit(serve_main(ctx.args))
 
@@ -902,7 +1015,11 @@ def engine_serve(ctx):
 @json_option
 @friendly
 def audit(path, engine, since, until, as_json):
-    """Find what an engine upgrade removed, renamed or gated in a deploy repository. Exit 1 when something needs action."""
+    """Find what an engine upgrade removed, renamed or gated in a deploy repository. Exit 1 when something needs action.
+
+    \b
+    Examples:
+      restartkit audit ./deploy --from 0.30 --to 0.33"""
     from restartkit.audit import audit as run_audit, render
     result = run_audit(path, engine, since, until)
     emit(result, as_json, render(result))
@@ -949,7 +1066,12 @@ def bench(policy_path, strategies, repeat, out, clients, wait_s, as_json):
               help="The demo engine's port (another one when this is taken).")
 @friendly
 def demo(workdir, repeat, port):
-    """The main job on the embedded reference model, end to end on this machine."""
+    """The main job on the embedded reference model, end to end on this machine.
+
+    \b
+    Examples:
+      restartkit demo
+      restartkit demo --workdir /tmp/rk-demo --repeat 3"""
     from restartkit.commands.demo import run_demo
     sys.exit(run_demo(workdir, repeat, say=click.echo, state_root=state_root(), port=port))
 

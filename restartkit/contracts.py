@@ -13,6 +13,15 @@ from typing import Any, Callable, Protocol
 
 # Every strategy by name, fastest first: the order `auto` tries when the policy gives none.
 STRATEGY_NAMES = ("sleep", "standby", "criu+ipc", "ipc", "criu", "cold")
+# One line each, for the CLI's help and the docs.
+STRATEGY_SUMMARIES = {
+    "sleep": "park the weights in host memory (or drop them) and wake up in process",
+    "standby": "promote a second engine kept armed on the cached weights",
+    "criu+ipc": "restore a weights-less CRIU snapshot and re-attach the weights from the weight cache",
+    "ipc": "attach the processed weights from a weight-cache daemon",
+    "criu": "restore a CRIU snapshot of the whole initialized engine",
+    "cold": "a normal start; the recovery path of every other strategy",
+}
 RECOVERY = "cold"  # always available: the recovery path of every other strategy
 REASONS = ("restart", "crash", "config", "code", "weights")  # why restart
 # On restartkit's canary requests: an engine that batches runs them in a batch of their own, so that a greedy

@@ -55,6 +55,10 @@ wait_option = click.option(
     "--wait", "wait_s", type=Seconds(), default=0.0, envvar="RESTARTKIT_LOCK_WAIT", show_envvar=True,
     show_default=True, help="Seconds to wait for another restartkit command on this service to finish "
                             "(0: exit 75 at once, naming it).")
+unit_dir_option = click.option(
+    "--unit-dir", default="/etc/systemd/system", show_default=True, type=click.Path(file_okay=False),
+    help="Where --install-unit/--install-timer writes (checked only then: a unit's own sandbox may make "
+         "the default read-only).")
 strategy_choice = click.Choice(["auto", *STRATEGY_NAMES])
 strategy_option = click.option("--strategy", type=strategy_choice, default="auto", show_default=True,
                                help="How to bring the service back; auto picks the fastest eligible.")

@@ -147,6 +147,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "model": Key(str, None, doc="checkpoint directory (or hub id for vllm/sglang); ~ and $VARS are expanded",
                      check=_path),
         "revision": Key(str, "", doc="pinned 40-hex revision", check=_revision),
+        "served_model_name": Key(str, "", doc="the model name the engine serves and restartkit's probes and canary "
+                                               "send (default: the adapter's own, else the first of /v1/models)"),
         "host": Key(str, "127.0.0.1", check=_host),
         "port": Key(int, 8000, check=_port),
         "device": Key(str, "cpu", ("cpu", "cuda")),

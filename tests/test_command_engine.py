@@ -38,6 +38,24 @@ def test_a_command_engine_restarts_cold_with_an_identical_canary(make_policy, ti
     assert all(isinstance(t, int) for t in rec["proof"]["after"][0])  # this server gives token ids
 
 
+@pytest.mark.slow
+def test_probes_and_canary_use_the_name_the_engine_serves(make_policy, tiny_model, service_cleanup):
+    """A server that serves its own name (here the reference server's default, the directory's base name,
+    not the policy's model path) is probed and compared by that name, from /v1/models; with
+    [service] served_model_name the policy's name is sent."""
+    policy = command_policy(make_policy, tiny_model, SERVER[:-2])  # no --served-model-name: it serves "tiny"-like
+    service_cleanup(policy)
+    r = run_cli("start", "--policy", policy)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = run_cli("restart", "--policy", policy, "--strategy", "cold", "--json")
+    rec = json.loads(r.stdout)
+    assert r.returncode == 0 and rec["proof"]["canary_identical"] is True, r.stdout + r.stderr
+    named = command_policy(make_policy, tiny_model, SERVER[:-2] + ["--served-model-name", "mine"])
+    named.write_text(named.read_text().replace("[service]\n", '[service]\nserved_model_name = "mine"\n'))
+    r = run_cli("restart", "--policy", named, "--strategy", "cold", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["proof"]["canary_identical"] is True, r.stdout + r.stderr
+
+
 def test_a_missing_command_is_named_before_anything_stops(make_policy, tiny_model, tmp_path):
     policy = command_policy(make_policy, tiny_model, [str(tmp_path / "no-such-server"), "--port", "{port}"])
     r = run_cli("start", "--policy", policy)

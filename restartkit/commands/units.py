@@ -28,6 +28,19 @@ def quote(arg: str) -> str:
     return f'"{escaped}"'
 
 
+def unit_dir(path: str) -> Path:
+    """The directory units are written to, checked when one is written (never before: a command that only
+    runs, in a unit under ProtectSystem=strict say, must not need it)."""
+    d = Path(path)
+    if not d.is_dir():
+        raise UsageError(f"--unit-dir {path}: no such directory",
+                         hint="make it, or pass --unit-dir with one (e.g. ~/.config/systemd/user)")
+    if not os.access(d, os.W_OK):
+        raise UsageError(f"--unit-dir {path} is not writable by this user",
+                         hint="run the install as root, or pass --unit-dir with a directory you can write")
+    return d
+
+
 def exec_line(args: list[str]) -> str:
     """An Exec*= value running restartkit with `args`; refuses what a unit cannot carry (a newline,
     any control character) naming it."""
@@ -136,6 +149,63 @@ def make_writable_paths(service, user: str | None) -> None:
                              hint="make it by hand for the unit's user, or choose another path in the policy") from None
 
 
+def interpreter_paths() -> list[str]:
+    """What a unit running this restartkit must reach: its script, this interpreter (a venv's links to
+    its base one) and the installed package."""
+    import restartkit
+    paths = [_restartkit()[0], sys.executable, os.path.realpath(sys.executable),
+             os.path.dirname(os.path.abspath(restartkit.__file__))]
+    return list(dict.fromkeys(p for p in paths if os.path.isabs(p)))
+
+
+def _reachable(path: str, uid: int, gids: set[int]) -> str | None:
+    """The first directory on the way to `path` that `uid` (in `gids`, without root's override: a hardened
+    unit has no CAP_DAC_OVERRIDE) cannot traverse, or `path` itself when it cannot read it; None: it can."""
+    parts = Path(path).parts
+    for i in range(1, len(parts) + 1):
+        here = os.path.join(*parts[:i])
+        try:
+            st = os.stat(here)
+        except OSError:
+            return here
+        bits = (st.st_mode >> 6 if st.st_uid == uid else st.st_mode >> 3 if st.st_gid in gids else st.st_mode) & 7
+        last = i == len(parts)
+        if not bits & 1 and (not last or os.path.isdir(here)) or last and not bits & 4:
+            return here
+    return None
+
+
+def reach_problem(service, user: str | None) -> str | None:
+    """Why the unit could not start this restartkit (systemd's 203/EXEC, then a start-limit loop), or None:
+    a private /tmp hides an interpreter under /tmp; the unit's user cannot reach one under a 0700 home."""
+    if needs_criu(service):  # runs as root, unsandboxed
+        return None
+    private_tmp = not any(p == t or p.startswith(t + "/") for p in writable_paths(service, user) for t in TMP_DIRS)
+    entry = pwd.getpwnam(user) if user else pwd.getpwuid(0)
+    gids = {entry.pw_gid, *(g.gr_gid for g in _groups() if entry.pw_name in g.gr_mem)}
+    for path in interpreter_paths():
+        hidden = next((t for t in TMP_DIRS if path == t or path.startswith(t + "/")), None)
+        if private_tmp and hidden:
+            return f"{path} is under {hidden}, which the unit's PrivateTmp=yes hides: systemd would fail it with 203/EXEC"
+        if blocked := _reachable(path, entry.pw_uid, gids):
+            return (f"{entry.pw_name} (the unit's user, without root's override) cannot reach {path}: {blocked} is "
+                    f"mode {os.stat(blocked).st_mode & 0o777:o} owned by uid {os.stat(blocked).st_uid}"
+                    if os.path.exists(blocked) else f"{blocked} does not exist")
+    return None
+
+
+def _groups():
+    import grp
+    return grp.getgrall()
+
+
+def check_reach(service, user: str | None) -> None:
+    if problem := reach_problem(service, user):
+        raise UsageError(f"the unit could not start restartkit: {problem}; no unit was written",
+                         hint="install restartkit where the unit can reach it (e.g. python3 -m venv /opt/restartkit/venv "
+                              "and install into it), then run --install-unit with that venv's restartkit")
+
+
 def hardening(service, user: str | None) -> str:
     """The sandbox of a unit without CRIU (systemd-analyze security scores it about 2-3, where a unit
     without any scored 9.6): read-only system and homes but for what it writes, no capabilities, no new
@@ -191,15 +261,17 @@ def listen_stream(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def supervise_units(service, unit_dir: str, watchdog_s: int = 0, user: str | None = None) -> tuple[Path, Path]:
+def supervise_units(service, unit_dir_path: str, watchdog_s: int = 0, user: str | None = None) -> tuple[Path, Path]:
     """restartkit-<name>.socket and restartkit-<name>.service: systemd holds the service's listening socket
     (it outlives supervise too) and passes it to `restartkit supervise` (LISTEN_FDS), which serves every
     engine on it; the service comes after its weight cache's unit when that one is installed beside it;
     `user`: User= (policies without CRIU only)."""
     start = exec_line(["supervise", "--policy", os.path.abspath(service.policy.path)])
+    reload = exec_line(["reload", "--policy", os.path.abspath(service.policy.path), "--pid"]) + " $MAINPID"
     r = service.policy.restart
     name = service.policy.name
-    d = Path(unit_dir)
+    d = unit_dir(unit_dir_path)
+    check_reach(service, user)
     cache = (d / cache_unit(name)).exists()
     _same_user(d / cache_unit(name), user, "its weight cache's unit")
     make_writable_paths(service, user)
@@ -227,10 +299,12 @@ After=network-online.target {socket_unit(name)} {cache_unit(name)}
 Type=notify
 NotifyAccess=main
 {_user(service, user)}{environment(service, user)}{hardening(service, user)}ExecStart={start}
-ExecReload=/bin/kill -HUP $MAINPID
+# returns when the planned restart is done, with its outcome (systemd 252 has no Type=notify-reload)
+ExecReload={reload}
 KillMode=mixed
 # floors: supervise extends both to the policy's numbers at the time (EXTEND_TIMEOUT_USEC)
-TimeoutStartSec={int(r['stop_timeout_s'] + r['start_timeout_s'] + 60)}
+# (systemd times ExecReload= by TimeoutStartSec= too: the reload command's own deadline is 30 s shorter)
+TimeoutStartSec={int(r['stop_timeout_s'] + r['start_timeout_s'] + 90)}
 TimeoutStopSec={int(r['stop_timeout_s'] + 30)}
 {f'WatchdogSec={watchdog_s}' if watchdog_s else '# WatchdogSec=60  (supervise feeds it while its loop makes progress)'}
 Restart=on-failure
@@ -242,13 +316,15 @@ WantedBy=multi-user.target
     return sock, path
 
 
-def weight_cache_unit(service, unit_dir: str, user: str | None = None) -> Path:
+def weight_cache_unit(service, unit_dir_path: str, user: str | None = None) -> Path:
     """restartkit-wc-<name>.service: the weight-cache daemons (`restartkit preload`), active only once
     they hold the weights (ExecStartPost waits), ordered before the engine's unit."""
     policy = os.path.abspath(service.policy.path)
     name = service.policy.name
-    path = Path(unit_dir) / cache_unit(name)
-    _same_user(Path(unit_dir) / engine_unit(name), user, "its engine's unit")
+    d = unit_dir(unit_dir_path)
+    check_reach(service, user)
+    path = d / cache_unit(name)
+    _same_user(d / engine_unit(name), user, "its engine's unit")
     make_writable_paths(service, user)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"""[Unit]

