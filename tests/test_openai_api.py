@@ -4,6 +4,7 @@ text as without, chat renders the tokenizer's template as transformers does, sto
 are honoured, anything else is a 400 naming the field, and a 503 says Retry-After."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -125,12 +126,17 @@ def test_a_field_that_is_not_honoured_is_a_400_naming_it(engine, fields, param):
     assert e.value.body["param"] == param and param in e.value.body["message"], e.value.body
 
 
-def test_chat_without_a_template_is_a_400_and_a_sleeping_engine_says_retry_after(engine, tiny_model):
-    proc, port = serve(tiny_model)  # restartkit's own preset: no chat template
+def test_chat_without_a_template_is_a_400_and_a_sleeping_engine_says_retry_after(engine, tiny_model, tmp_path):
+    plain = tmp_path / "plain"  # a checkpoint without a chat template
+    shutil.copytree(tiny_model, plain)
+    cfg = json.loads((plain / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
+    proc, port = serve(plain)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+            client.chat.completions.create(model="plain", messages=MESSAGES, max_tokens=2)
         assert "no chat template" in e.value.body["message"] and e.value.body["param"] == "messages"
     finally:
         proc.terminate()
@@ -158,3 +164,45 @@ def test_a_client_gone_mid_stream_leaves_the_engine_serving(engine):
         assert s.recv(64).startswith(b"HTTP/1.1 200")
     assert engine["client"].completions.create(model=engine["name"], prompt="hi", max_tokens=2).choices
     assert os.path.isdir(engine["path"])
+
+
+def test_the_openai_clients_cases_pass_on_a_fresh_preset_model(tmp_path):
+    """What a user of the demo's model runs first: sync, async, streamed, chat (streamed too), n and logprobs,
+    through the openai client with no retries, on a model `restartkit model create` just wrote."""
+    import asyncio
+    made = subprocess.run([sys.executable, "-m", "restartkit.cli", "model", "create", "--preset", "tiny",
+                           "--out", str(tmp_path / "fresh")], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    proc, port = serve(tmp_path / "fresh")
+    try:
+        base = f"http://127.0.0.1:{port}/v1"
+        client = openai.OpenAI(base_url=base, api_key="none", max_retries=0)
+        name = client.models.list().data[0].id
+        one = client.completions.create(model=name, prompt="Hello", max_tokens=8, temperature=0)
+        assert one.choices[0].finish_reason in ("length", "stop") and one.usage.completion_tokens >= 1
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=name, prompt="Hello", max_tokens=8, temperature=0, stream=True) if c.choices)
+        assert streamed == one.choices[0].text
+        chat = client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=8, temperature=0)
+        assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
+        chat_streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=name, messages=MESSAGES, max_tokens=8, temperature=0, stream=True) if c.choices)
+        assert chat_streamed == chat.choices[0].message.content
+        several = client.completions.create(model=name, prompt="Hello", max_tokens=4, n=3, temperature=1.0, seed=1)
+        assert sorted(c.index for c in several.choices) == [0, 1, 2]
+        logprobs = client.completions.create(model=name, prompt="Hello", max_tokens=4, temperature=0, logprobs=2)
+        assert len(logprobs.choices[0].logprobs.tokens) == logprobs.usage.completion_tokens
+        chat_lp = client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=4, temperature=0,
+                                                 logprobs=True, top_logprobs=2)
+        assert all(len(t.top_logprobs) == 2 for t in chat_lp.choices[0].logprobs.content)
+
+        async def both():
+            aclient = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0)
+            got = await asyncio.gather(*(aclient.completions.create(model=name, prompt="Hello", max_tokens=8,
+                                                                   temperature=0) for _ in range(3)))
+            await aclient.close()
+            return [g.choices[0].text for g in got]
+        assert asyncio.run(both()) == [one.choices[0].text] * 3
+    finally:
+        proc.terminate()
+        proc.wait(30)

