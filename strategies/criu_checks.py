@@ -41,8 +41,13 @@ def criu_usable(facts: Facts, policy) -> str | None:
                     f"`setcap cap_checkpoint_restore+eip {c.path}` (the CRIU binary), or in a container add "
                     "CHECKPOINT_RESTORE and SYS_ADMIN to its securityContext capabilities "
                     "(docs/kubernetes-criu.yaml)")
-        last = lines[-1] if lines else "no output"
-        return f"`{c.path} check` fails on this kernel ({last}); scripts/install-criu installs a CRIU that passes"
+        from restartkit.snapshot.criu import first_error
+        said = first_error(c.check_output or "") or (lines[-1] if lines else "no output")
+        if "sysctl" in said and "Read-only file system" in said:
+            return (f"`{c.path} check` fails: {said}; CRIU needs a writable /proc/sys: run it on the host, or in a "
+                    "container that mounts /proc/sys read-write (systemd-nspawn: SYSTEMD_NSPAWN_API_VFS_WRITABLE=1; "
+                    "Docker/Kubernetes: a privileged container)")
+        return f"`{c.path} check` fails: {said}; scripts/install-criu installs a CRIU that passes on this kernel"
     return None
 
 

@@ -302,3 +302,30 @@ def test_criu_without_its_capability_is_named_in_plan(make_policy):
     why = " ".join(criu["reasons"])
     assert not criu["eligible"] and "CAP_SYS_ADMIN or the CAP_CHECKPOINT_RESTORE" in why, why
     assert "setcap cap_checkpoint_restore+eip" in why and "on this kernel" not in why, why
+
+
+def test_criu_without_a_writable_proc_sys_is_named_by_crius_own_line(make_policy):
+    """/proc/sys read-only (a container's default): plan names CRIU's own error line and the fix, not "this
+    kernel"; a refresh says the same and takes no dump."""
+    policy = make_policy()
+    policy.write_text(policy.read_text().replace("[restart]\n", '[restart]\nstrategies = ["criu", "cold"]\n'))
+    ro = "mount --bind /proc/sys /proc/sys && mount -o remount,bind,ro /proc/sys && "
+    cli = " ".join(map(str, RESTARTKIT))
+    r = subprocess.run(["unshare", "-m", "sh", "-c", ro + f"{cli} plan --policy {policy} --json"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    (criu,) = [v for v in json.loads(r.stdout)["strategies"] if v["strategy"] == "criu"]
+    why = " ".join(criu["reasons"])
+    assert "ns_last_pid sysctl is inaccessible: Read-only file system" in why and "writable /proc/sys" in why, why
+    r = subprocess.run(["unshare", "-m", "sh", "-c", ro + f"{cli} snapshot refresh --policy {policy}"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 1 and "Read-only file system" in r.stdout + r.stderr, r.stdout + r.stderr
+    assert not list((policy.parent / "state").rglob("manifest.json"))
+
+
+def test_criu_error_lines_are_read_from_its_log():
+    from restartkit.snapshot.criu import first_error
+    log = ("(00.001) Warn  (criu/kerndat.c:1): not a problem\n"
+           "(00.002) Error (criu/cr-dump.c:2101): Dumping FAILED.\n(00.003) Error (criu/x.c:1): later\n")
+    assert first_error(log) == "Dumping FAILED."
+    assert first_error("Looks good.") is None

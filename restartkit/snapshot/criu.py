@@ -10,6 +10,7 @@ engines in their own session, so it is normally off).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -170,7 +171,9 @@ class Criu:
             raise CriuError(f"criu restore did not finish within {timeout_s:.0f} s; it and the half-restored "
                             "processes were killed", log_tail(log))
         if reply["exit"] != 0:
-            raise CriuError(f"criu restore failed (exit {reply['exit']})", log_tail(log) or log_tail(out))
+            why = _logged_error(log) or _logged_error(out)
+            raise CriuError(f"criu restore failed (exit {reply['exit']})" + (f": {why}" if why else ""),
+                            log_tail(log) or log_tail(out))
         return int(pidfile.read_text().strip())
 
     @staticmethod
@@ -211,7 +214,8 @@ class Criu:
             raise CriuError(f"criu {args[0]} did not finish within {timeout_s:.0f} s; it and the half-restored "
                             "processes were killed", log_tail(log)) from None
         if r.returncode != 0:
-            raise CriuError(f"criu {args[0]} failed (exit {r.returncode}){_full_disk(log, images)}",
+            why = _full_disk(log, images) or (f": {e}" if (e := _logged_error(log) or first_error(r.stderr)) else "")
+            raise CriuError(f"criu {args[0]} failed (exit {r.returncode}){why}",
                             log_tail(log) or r.stderr[-2000:])
 
     def _rpc(self, op: str, images: Path, log: Path, pid: int | None = None, leave_running: bool = False) -> int | None:
@@ -261,7 +265,27 @@ def _full_disk(log: Path, images: Path) -> str:
 
 
 def _why(e, log: Path, images: Path) -> str:
-    return (_full_disk(log, images) or f": {e}").lstrip(": ")
+    return (_full_disk(log, images) or f": {_logged_error(log) or e}").lstrip(": ")
+
+
+ERROR_LINE = re.compile(r"\bError \([^)]*\):\s*(.+)")
+
+
+def first_error(output: str) -> str | None:
+    """CRIU's own first error line, without its source location ("sys/kernel/ns_last_pid sysctl is
+    inaccessible: Read-only file system"), or None.  Its last line ("Does not look good.") and its RPC
+    answer ("Error(0): Unknown") say nothing an operator can act on."""
+    for line in output.splitlines():
+        if m := ERROR_LINE.search(line):
+            return m.group(1).strip()
+    return None
+
+
+def _logged_error(log: Path) -> str | None:
+    try:
+        return first_error(log.read_text(errors="replace"))
+    except OSError:
+        return None
 
 
 def _kill(pids) -> None:

@@ -52,6 +52,13 @@ def _refresh(service, facts, force: bool, say) -> int:
         else:
             why = "forced" if force else ("no snapshot" if not cur else "damaged" if cur.damaged else
                                           ("suspect" if cur.suspect else "too old"))
+        criu = facts.host.criu
+        if not criu.path or not criu.check_ok:  # a dump would only fail later, with less to say ("Error(0): Unknown")
+            from restartkit.snapshot.criu import first_error
+            said = first_error(criu.check_output or "") or (criu.check_output or criu.source or "not installed")
+            say(f"{service.policy.name}: no snapshot taken ({why}): `criu check` fails: {said.strip().splitlines()[-1]}; "
+                "`restartkit plan` says what to do")
+            return EXIT_FAILED
         t0 = time.monotonic()
         from restartkit.snapshot.trial import test_restore, why_not
 
