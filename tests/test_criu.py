@@ -329,3 +329,24 @@ def test_criu_error_lines_are_read_from_its_log():
            "(00.002) Error (criu/cr-dump.c:2101): Dumping FAILED.\n(00.003) Error (criu/x.c:1): later\n")
     assert first_error(log) == "Dumping FAILED."
     assert first_error("Looks good.") is None
+
+
+def test_a_criu_restart_beside_supervise_is_adopted_under_its_old_pid(make_policy, supervised):
+    """`restartkit restart --strategy criu` while supervise watches: the restored engine comes back under the
+    PID that died at the dump.  supervise adopts it (its start time differs): no crash record, no second
+    restore, nothing counted toward the start limit."""
+    policy = make_policy(extra="\n[criu]\npid_wait_s = 5.0\n")
+    policy.write_text(policy.read_text().replace("[restart]\n", '[restart]\nstrategies = ["criu", "cold"]\n'))
+    s = supervised(policy)
+    before = s.status()["pid"]
+    made = run_cli("snapshot", "create", "--policy", policy, "--wait", "60", "--json")
+    assert made.returncode == 0, made.stdout + made.stderr
+    r = run_cli("restart", "--policy", policy, "--strategy", "criu", "--wait", "60", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rec = json.loads(r.stdout)
+    assert rec["served_by"] == "criu", rec["attempts"]
+    time.sleep(6)  # longer than health_misses x health_interval: a mistaken crash would have been acted on
+    recs = s.records()
+    assert [x["id"] for x in recs] == [rec["id"]], [(x["reason"], x["served_by"]) for x in recs]
+    st = s.status()
+    assert st["serving"] and st["pid"] == before and st["supervisor"]["failures_in_interval"] == 0, st

@@ -77,6 +77,7 @@ class Watch:
     misses: int = 0
     last_completion: float = dataclasses.field(default_factory=time.monotonic)
     failure: tuple[str, int | None, int | None] | None = None  # what, a PID still to kill, a PID gone already
+    failed_ticks: int | None = None  # the start time of the engine that failed (with its PID, names it)
     exit_code: int | None = None
 
     def fresh(self) -> None:
@@ -247,6 +248,7 @@ class Supervisor:
         if what is None:
             return Phase.FINDING
         w.failure = (what, w.proc.pid, None)
+        w.failed_ticks = w.proc.start_ticks
         return Phase.RECOVERING
 
     def _verdict(self, w: Watch, pidfd: int) -> str | None:
@@ -287,7 +289,8 @@ class Supervisor:
     def _recovering(self, w: Watch) -> Phase:
         what, pid, died = w.failure
         w.failure = None
-        w.exit_code = self._failure(what, pid, died)
+        w.exit_code = self._failure(what, pid, died, w.failed_ticks)
+        w.failed_ticks = None
         w.fresh()  # not serving after it: the next turn finds nothing running, another failure, with backoff
         return Phase.FINDING if w.exit_code is None else Phase.ENDED
 
@@ -373,9 +376,9 @@ class Supervisor:
             self.say(f"{svc.policy.name}: the engine did not start: {errors[-1] if errors else rec.recovery_reason}")
         return rec is not None and rec.final_state == "serving"
 
-    def _failure(self, what: str, pid: int | None, died: int | None = None) -> int | None:
-        """A crash or a hang of the engine `pid` (still to be killed) or `died` (gone already): restart through
-        auto unless the limit is reached (then the exit code)."""
+    def _failure(self, what: str, pid: int | None, died: int | None = None, ticks: int | None = None) -> int | None:
+        """A crash or a hang of the engine `pid` (still to be killed) or `died` (gone already), `ticks` its start
+        time: restart through auto unless the limit is reached (then the exit code)."""
         noticed = time.time()
         from restartkit.process.inflight import at_death
         engine = pid if pid is not None else died
@@ -389,7 +392,9 @@ class Supervisor:
         # another restartkit command may be restarting the engine: wait for its lock, then look again
         with self._guarded("supervise"):
             proc = self.service.current()
-            if proc is not None and proc.pid != pid and self.service.is_ready():
+            # another engine: another PID, or the same PID started anew (a CRIU restore brings the old PID back)
+            other = proc is not None and (proc.pid != pid or ticks is not None and proc.start_ticks != ticks)
+            if other and self.service.is_ready():
                 self.say(f"{self.service.policy.name}: PID {proc.pid} serves now (restarted by another command); "
                          "adopted")
                 self._save("serving")
