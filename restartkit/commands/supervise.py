@@ -48,6 +48,7 @@ from restartkit.commands.reconcile import guarded
 from restartkit.commands.sdnotify import Heartbeat, Notifier
 from restartkit.guard.lock import BusyError, lock_holder
 from restartkit.guard.preflight import preflight_writable
+from restartkit.process.logfollow import LogFollower, wanted as log_wanted
 from restartkit.process.procfs import argv, holder_alive, kill_tree, proc_start_ticks
 from restartkit.process.seam import Cut, cuttable
 from restartkit.process.states import ProcState
@@ -116,6 +117,7 @@ class Supervisor:
         self._hold_listener()
         self.beat.step(self._lock_wait(), Heartbeat.STARTING)
         self.beat.start()
+        follower = LogFollower(self.service.engine.log_path).start() if log_wanted() else None
         try:
             # SIGTERM/SIGINT end whatever runs at its next wait (a start, a restart, a lock wait), then the stop
             with cuttable(lambda: next(iter(self.service.interrupts), None)):
@@ -124,6 +126,8 @@ class Supervisor:
             return self._stop(cut.name)
         finally:
             self.beat.stop()
+            if follower is not None:
+                follower.stop()
             self.path.unlink(missing_ok=True)
             if self.broker is not None:
                 self.broker.close()
