@@ -111,6 +111,21 @@ def systemd_check(text: str):
     return f"{text!r} is not a systemd calendar expression: systemd-analyze calendar says {said!r} ({EXAMPLES})"
 
 
+def period_s(text: str) -> float | None:
+    """Seconds between the schedule's next two elapses, by `systemd-analyze calendar` (None: not asked)."""
+    from datetime import datetime
+    exe = shutil.which("systemd-analyze")
+    if exe is None or check(text):
+        return None
+    try:
+        r = subprocess.run([exe, "calendar", "--iterations=2", "--", text], capture_output=True, text=True, timeout=10)
+        when = [datetime.strptime(" ".join(ln.split(":", 1)[1].split()[1:3]), "%Y-%m-%d %H:%M:%S")
+                for ln in r.stdout.splitlines() if ln.strip().startswith(("Next elapse:", "Iter. #2:"))]
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
+    return (when[1] - when[0]).total_seconds() if len(when) == 2 else None
+
+
 def to_cron(text: str) -> str:
     """The five time fields of a crontab line for the same times; ScheduleError saying why cron cannot."""
     c = parse(text)

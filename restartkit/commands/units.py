@@ -158,9 +158,10 @@ def interpreter_paths() -> list[str]:
     return list(dict.fromkeys(p for p in paths if os.path.isabs(p)))
 
 
-def _reachable(path: str, uid: int, gids: set[int]) -> str | None:
+def _reachable(path: str, uid: int, gids: set[int], need_x: bool = True) -> str | None:
     """The first directory on the way to `path` that `uid` (in `gids`, without root's override: a hardened
-    unit has no CAP_DAC_OVERRIDE) cannot traverse, or `path` itself when it cannot read it; None: it can."""
+    unit has no CAP_DAC_OVERRIDE) cannot traverse, or `path` itself when it cannot read it (or, `need_x`, run
+    it); None: it can."""
     parts = Path(path).parts
     for i in range(1, len(parts) + 1):
         here = os.path.join(*parts[:i])
@@ -169,8 +170,10 @@ def _reachable(path: str, uid: int, gids: set[int]) -> str | None:
         except OSError:
             return here
         bits = (st.st_mode >> 6 if st.st_uid == uid else st.st_mode >> 3 if st.st_gid in gids else st.st_mode) & 7
-        last = i == len(parts)
-        if not bits & 1 and (not last or os.path.isdir(here)) or last and not bits & 4:
+        if i < len(parts):
+            if not bits & 1:  # a directory on the way: traversed
+                return here
+        elif not bits & 4 or (need_x or os.path.isdir(here)) and not bits & 1:  # the path itself: read (and run)
             return here
     return None
 
@@ -183,6 +186,13 @@ def reach_problem(service, user: str | None) -> str | None:
     private_tmp = not any(p == t or p.startswith(t + "/") for p in writable_paths(service, user) for t in TMP_DIRS)
     entry = pwd.getpwnam(user) if user else pwd.getpwuid(0)
     gids = {entry.pw_gid, *(g.gr_gid for g in _groups() if entry.pw_name in g.gr_mem)}
+    model = os.path.abspath(os.path.expanduser(service.policy.service["model"]))
+    if os.path.isdir(model):  # a local checkpoint (not a hub id): the engine reads every file of it
+        if blocked := next((b for f in sorted(os.listdir(model)) if os.path.isfile(os.path.join(model, f))
+                            and (b := _reachable(os.path.join(model, f), entry.pw_uid, gids, need_x=False))), None):
+            return (f"{entry.pw_name} (the unit's user) cannot read the model: {blocked} is mode "
+                    f"{os.stat(blocked).st_mode & 0o777:o} owned by uid {os.stat(blocked).st_uid} (chmod -R a+rX {model}, "
+                    "or make the checkpoint readable by that user)")
     for path in interpreter_paths():
         hidden = next((t for t in TMP_DIRS if path == t or path.startswith(t + "/")), None)
         if private_tmp and hidden:
@@ -202,8 +212,9 @@ def _groups():
 def check_reach(service, user: str | None) -> None:
     if problem := reach_problem(service, user):
         raise UsageError(f"the unit could not start restartkit: {problem}; no unit was written",
-                         hint="install restartkit where the unit can reach it (e.g. python3 -m venv /opt/restartkit/venv "
-                              "and install into it), then run --install-unit with that venv's restartkit")
+                         hint="put restartkit (a venv: python3 -m venv /opt/restartkit/venv) and the model where the "
+                              "unit's user can reach them (e.g. under /opt and /srv), then run --install-unit with "
+                              "that venv's restartkit")
 
 
 def hardening(service, user: str | None) -> str:

@@ -113,7 +113,7 @@ def verify(snap) -> None:
 def install_timer(service, schedule: str, unit_dir: str = "/etc/systemd/system") -> tuple[list[Path], str]:
     """Write restartkit-refresh-<service>.service/.timer; return them and the crontab line for the same
     schedule (or, starting with '#', why cron cannot run it).  A schedule systemd refuses writes nothing."""
-    from restartkit.commands.schedule import ScheduleError, check, to_cron
+    from restartkit.commands.schedule import ScheduleError, check, period_s, to_cron
     from restartkit.commands.units import cron_command, environment, exec_line, unit_dir as checked_unit_dir
     from restartkit.errors import UsageError
     if refused := check(schedule):
@@ -136,13 +136,17 @@ Type=oneshot
 {environment(service)}ExecStart={start}
 SuccessExitStatus=75
 """)
+    period = period_s(schedule)
+    delay = "15min" if period is None or period >= 9000 else f"{int(period // 10)}s"
     tmr.write_text(f"""[Unit]
 Description=restartkit: refresh the CRIU snapshot of {service.policy.name} ({schedule})
 
 [Timer]
 OnCalendar={schedule}
 Persistent=true
-RandomizedDelaySec=15min
+AccuracySec=1s
+# hosts on one schedule spread their dumps: up to 15 min, or a tenth of a shorter period
+RandomizedDelaySec={delay}
 
 [Install]
 WantedBy=timers.target

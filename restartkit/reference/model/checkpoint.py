@@ -169,6 +169,8 @@ def write_checkpoint(out: str | Path, preset: str, seed: int = 0, dtype: str | N
         raise UsageError(f"{out} exists and is not empty", hint="pick a new --out directory or remove this one")
     tmp = out.with_name(out.name + f".partial-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
+    umask = os.umask(0)
+    os.umask(umask)
     torch_dtype = DTYPES[cfg.torch_dtype]
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     shards = plan_shards(tensor_shapes(cfg), itemsize, p.max_shard_bytes)
@@ -178,6 +180,7 @@ def write_checkpoint(out: str | Path, preset: str, seed: int = 0, dtype: str | N
         fname = f"model-{idx:05d}-of-{len(shards):05d}.safetensors"
         tensors = {name: seeded_tensor(cfg, name, shape, seed, torch_dtype, device).cpu() for name, shape in shard}
         save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+        os.chmod(tmp / fname, 0o666 & ~umask)  # safetensors writes 0600: a checkpoint is read by the engine's user
         for name, t in tensors.items():
             weight_map[name] = fname
             total += t.numel() * t.element_size()

@@ -31,6 +31,11 @@ def model_dir_ok(path: str) -> str | None:
         return f"{path} has no *.safetensors files"
     if not (p / "tokenizer.json").exists():
         return f"{path} has no tokenizer.json (the reference engine reads a tokenizers-format tokenizer)"
+    import os
+    if unreadable := next((f for f in sorted(p.iterdir()) if f.is_file() and not os.access(f, os.R_OK)), None):
+        # (safetensors would call it "No such file or directory")
+        return (f"{unreadable} cannot be read by uid {os.geteuid()}: permission denied (make the checkpoint "
+                f"readable by the engine's user: chmod -R a+rX {path})")
     import json
     from restartkit.reference.model.config import ModelConfig
     try:

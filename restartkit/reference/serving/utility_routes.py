@@ -32,10 +32,42 @@ class EngineMetrics:
         waiting = Gauge("restartkit_engine_sequences_waiting", "sequences queued for a KV-cache slot", registry=r)
         running.set_function(lambda: _depth(state)[0])
         waiting.set_function(lambda: _depth(state)[1])
+        r.register(VllmNames([self.prompt_tokens, self.generation_tokens, self.first_token, running, waiting],
+                             lambda: getattr(state, "model_name", "")))
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest
         return generate_latest(self.registry)
+
+
+# The families vLLM also has, under vLLM's names too (with its model_name label), so that dashboards and
+# alerts made for vLLM read this engine.  Each is the same series as its restartkit_engine_ twin.
+VLLM_NAMES = {
+    "restartkit_engine_prompt_tokens": "vllm:prompt_tokens",
+    "restartkit_engine_generation_tokens": "vllm:generation_tokens",
+    "restartkit_engine_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "restartkit_engine_sequences_running": "vllm:num_requests_running",
+    "restartkit_engine_sequences_waiting": "vllm:num_requests_waiting",
+}
+
+
+class VllmNames:
+    """A collector that repeats `metrics`' families under vLLM's names (VLLM_NAMES)."""
+
+    def __init__(self, metrics, model_name):
+        self.metrics, self.model_name = metrics, model_name
+
+    def collect(self):
+        from prometheus_client.metrics_core import Metric
+        for fam in (f for m in self.metrics for f in m.collect()):
+            theirs = VLLM_NAMES[fam.name]
+            out = Metric(theirs, fam.documentation + " (vLLM's name)", fam.type)
+            for sample in fam.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                out.add_sample(theirs + sample.name[len(fam.name):], {"model_name": self.model_name(), **sample.labels},
+                               sample.value)
+            yield out
 
 
 def _depth(state) -> tuple[int, int]:
