@@ -37,8 +37,8 @@ def request(method: str, url: str, body: dict | None = None, timeout: float = 10
         raise HTTPFailure(url, 200, f"answer is not JSON: {e}") from None
 
 
-def get(url: str, timeout: float = 10.0) -> dict:
-    return request("GET", url, timeout=timeout)
+def get(url: str, timeout: float = 10.0, headers: dict | None = None) -> dict:
+    return request("GET", url, timeout=timeout, headers=headers)
 
 
 def post(url: str, body: dict | None = None, timeout: float = 60.0, headers: dict | None = None) -> dict:

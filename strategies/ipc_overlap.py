@@ -90,7 +90,7 @@ def _activate(service, new, status_path, out: Outcome, old, deadline_s: float | 
     os.kill(new.pid, signal.SIGUSR1)
     st = _wait_state(status_path, new, "active", deadline_s or service.policy.restart["start_timeout_s"])
     private = f"http://127.0.0.1:{st['admin_port']}"
-    new_stats = http.get(private + "/admin/stats", timeout=10)
+    new_stats = http.get(private + "/admin/stats", timeout=10, headers=service.adapter.admin_headers(service.policy))
     load = new_stats.get("load") or {}
     ranks = load.get("ranks") or [load.get("ipc")]  # tensor parallel (a standby): every rank's own attach
     verdict = "hit" if all(r == "hit" for r in ranks) else "mixed" if "hit" in ranks else load.get("ipc")

@@ -311,6 +311,16 @@ def promtool_check(path: Path) -> None:
     assert r.returncode == 0, f"promtool check metrics {path}: {r.stdout}{r.stderr}"
 
 
+def admin_stats(policy, port: int | None = None) -> dict:
+    """GET /admin/stats of the service's engine as restartkit calls it: with the service's admin token."""
+    from restartkit import http
+    from restartkit.guard import admin
+    from restartkit.policy import load_policy
+    pol = load_policy(policy)
+    return http.get(f"http://127.0.0.1:{port or pol.service['port']}/admin/stats", timeout=10,
+                    headers=admin.headers(pol.state_dir()))
+
+
 def wait_for(what, timeout: float = 60, every: float = 0.2):
     """`what()`'s first truthy answer, asked every `every` s; an AssertionError after `timeout` s."""
     end = time.monotonic() + timeout

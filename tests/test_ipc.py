@@ -7,14 +7,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 from pathlib import Path
 
 from restartkit.reference.model.checkpoint import write_checkpoint
 from tests.conftest import ROOT, prom_sample, run_cli
-from tests.helpers import ipc_policy, start_preload
+from tests.helpers import admin_stats, ipc_policy, start_preload
 
 pytestmark = pytest.mark.slow
 
@@ -235,7 +234,6 @@ def test_health_reports_ready_then_degraded(make_policy, sockdir, preloads, tmp_
 
 
 def test_a_draft_model_restarts_through_its_own_group(make_policy, sockdir, preloads, service_cleanup, tmp_path):
-    from restartkit.policy import load_policy
     from restartkit.reference.model.checkpoint import write_checkpoint
     draft = write_checkpoint(tmp_path / "draft", "tiny", seed=7)  # other weights, same tokenizer
     policy = ipc_policy(make_policy, sockdir, service_extra=f'draft_model = "{draft}"\nnum_speculative_tokens = 2\n')
@@ -249,8 +247,7 @@ def test_a_draft_model_restarts_through_its_own_group(make_policy, sockdir, prel
     assert code == 0 and rec["served_by"] == "ipc", rec
     proof = rec["attempts"][0]["proof"]
     assert proof["ipc"] == "hit" and proof["draft"] == "hit" and rec["proof"]["canary_identical"] is True
-    port = load_policy(policy).service["port"]
-    stats = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/stats", timeout=5).read())
+    stats = admin_stats(policy)
     assert stats["speculative"]["tokens"] == 2 and stats["speculative"]["rounds"] > 0  # the canary ran through it
     assert stats["load"]["draft"]["ipc"] == "hit"
     daemons = json.loads(run_cli("weightcache", "status", "--policy", policy, "--json").stdout)["daemons"]
@@ -270,7 +267,6 @@ def test_a_draft_model_restarts_through_its_own_group(make_policy, sockdir, prel
 
 def test_a_draft_model_at_tp2_changes_no_output_and_attaches_on_every_rank(make_policy, sockdir, preloads,
                                                                            service_cleanup, tmp_path):
-    from restartkit.policy import load_policy
     draft = write_checkpoint(tmp_path / "draft", "tiny", seed=7)
     policy = ipc_policy(make_policy, sockdir, service_extra="tensor_parallel_size = 2\n")
     service_cleanup(policy)
@@ -285,8 +281,7 @@ def test_a_draft_model_at_tp2_changes_no_output_and_attaches_on_every_rank(make_
     assert code == 0 and rec["served_by"] == "ipc", rec
     proof = rec["attempts"][0]["proof"]
     assert proof["ranks"] == ["hit", "hit"] and proof["draft"] == "hit" and rec["proof"]["canary_identical"] is True
-    port = load_policy(policy).service["port"]
-    stats = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/stats", timeout=5).read())
+    stats = admin_stats(policy)
     assert stats["speculative"]["rounds"] > 0 and stats["load"]["draft"]["ranks"] == ["hit", "hit"]
 
 

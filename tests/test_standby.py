@@ -14,7 +14,7 @@ import tests.helpers as helpers
 
 from tests.conftest import prom_sample, run_cli
 from restartkit.process.procfs import exited
-from tests.helpers import engines_on, gone, ipc_policy, start_preload
+from tests.helpers import admin_stats, engines_on, gone, ipc_policy, start_preload
 
 pytestmark = pytest.mark.slow
 
@@ -49,8 +49,7 @@ def listeners(port: int) -> list[int]:
 def answering(policy, n: int = 6) -> set[int]:
     """The PIDs that answer on the service's port, each asked on a new connection (under supervise the
     supervisor, the engine and the armed standby all hold the service's one socket: only the engine accepts)."""
-    from restartkit import http
-    return {http.get(f"http://127.0.0.1:{port_of(policy)}/admin/stats", timeout=10)["pid"] for _ in range(n)}
+    return {admin_stats(policy)["pid"] for _ in range(n)}
 
 
 def standby(policy) -> dict | None:

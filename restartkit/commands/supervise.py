@@ -163,6 +163,10 @@ class Supervisor:
             return
         try:
             self.broker = listener.Broker(self.service.state_dir, held)
+        except listener.ListenerError as e:  # an engine would take its socket back from a squatter: refused
+            raise UsageError(f"cannot start: {e.strerror}",
+                             hint="stop the other supervise of this service (restartkit status names it), or the "
+                                  "process that holds the name") from None
         except OSError as e:
             self.say(f"restartkit supervise: cannot offer the held socket to other commands ({e.strerror or e}); "
                      "a `restartkit restart` run beside supervise binds the port itself")

@@ -26,6 +26,7 @@ def local_model_problem(model: str) -> str | None:
 class LaunchSpec:
     argv: list[str]
     env: dict[str, str]
+    unset: tuple[str, ...] = ()  # variables of restartkit's own environment the engine must not inherit
 
 
 class EngineAdapter:
@@ -89,6 +90,11 @@ class EngineAdapter:
     def auth_headers(self, policy) -> dict:
         key = api_key(policy)
         return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def admin_headers(self, policy) -> dict:
+        """What restartkit's admin calls carry: the service's admin token (restartkit.guard.admin), and the API key."""
+        from restartkit.guard import admin
+        return {**self.auth_headers(policy), **admin.headers(policy.state_dir())}
 
     def key_problem(self, policy) -> str | None:
         """Why the policy's API key cannot be given to this engine (None: it can, or there is none)."""
@@ -184,7 +190,7 @@ class EngineAdapter:
     # restartkit's admin calls on a private port meanwhile (restartkit.reference.serving.detach)?
     detaches_listener = False
 
-    def detach_listener(self, policy, broker: str) -> str:
+    def detach_listener(self, policy) -> str:
         """Make the engine close its copy of the held socket; returns the base URL of the private port
         it serves admin calls on until it is sent SIGUSR2 (then it takes the socket back from `broker`)."""
         raise NotImplementedError(f"the {self.name} adapter cannot give up a held socket")
@@ -214,14 +220,16 @@ class EngineAdapter:
     can_confirm_sleep = True  # does the engine answer "are you asleep?"
 
     def sleep_request(self, policy, level: int) -> dict:
-        return http.post(f"{self.base_url(policy)}/sleep?level={int(level)}", timeout=300)
+        return http.post(f"{self.base_url(policy)}/sleep?level={int(level)}", timeout=300,
+                         headers=self.admin_headers(policy))
 
     def sleep_is_confirmed(self, policy) -> bool:
-        return bool(http.get(f"{self.base_url(policy)}/is_sleeping", timeout=10).get("is_sleeping"))
+        return bool(http.get(f"{self.base_url(policy)}/is_sleeping", timeout=10,
+                             headers=self.admin_headers(policy)).get("is_sleeping"))
 
     def wake_request(self, policy, tags: list[str]) -> dict:
         query = "&".join(f"tags={t}" for t in tags)
-        return http.post(f"{self.base_url(policy)}/wake_up?{query}", timeout=600)
+        return http.post(f"{self.base_url(policy)}/wake_up?{query}", timeout=600, headers=self.admin_headers(policy))
 
     def wake_is_complete(self, answer: dict) -> bool:
         return answer.get("status") == "awake"

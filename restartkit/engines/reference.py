@@ -78,7 +78,7 @@ class ReferenceAdapter(EngineAdapter):
         return os.path.basename(os.path.normpath(policy.service["model"]))
 
     def stats(self, policy, timeout: float = 10.0) -> dict:
-        return http.get(self.base_url(policy) + "/admin/stats", timeout=timeout)
+        return http.get(self.base_url(policy) + "/admin/stats", timeout=timeout, headers=self.admin_headers(policy))
 
     def feature_problems(self, policy) -> dict[str, str | None]:
         return {"ipc": None, "sleep": None}
@@ -102,19 +102,20 @@ class ReferenceAdapter(EngineAdapter):
 
     detaches_listener = True
 
-    def detach_listener(self, policy, broker: str) -> str:
-        port = http.post(self.base_url(policy) + "/admin/detach_listener", {"broker": broker}, timeout=30)["admin_port"]
+    def detach_listener(self, policy) -> str:
+        port = http.post(self.base_url(policy) + "/admin/detach_listener", timeout=30,
+                         headers=self.admin_headers(policy))["admin_port"]
         return f"http://127.0.0.1:{int(port)}"
 
     def before_snapshot(self, policy, weights: bool = False, base: str | None = None) -> dict:
-        url = base or self.base_url(policy)
+        url, h = base or self.base_url(policy), self.admin_headers(policy)
         if weights:
-            return http.post(url + "/admin/release_weights", timeout=60)
-        return {"kv_cache_freed_bytes": http.post(url + "/admin/drop_kv_cache", timeout=60).get("freed_bytes", 0)}
+            return http.post(url + "/admin/release_weights", timeout=60, headers=h)
+        return {"kv_cache_freed_bytes": http.post(url + "/admin/drop_kv_cache", timeout=60, headers=h).get("freed_bytes", 0)}
 
     def after_resume(self, policy, timeout: float = 120.0, weights: bool = False, base: str | None = None) -> dict:
-        url = base or self.base_url(policy)
+        url, h = base or self.base_url(policy), self.admin_headers(policy)
         if weights:
-            return http.post(url + "/admin/reattach_weights", {"fallback": False}, timeout=timeout).get("load") or {}
-        http.post(url + "/admin/restore_kv_cache", timeout=timeout)
+            return http.post(url + "/admin/reattach_weights", {"fallback": False}, timeout=timeout, headers=h).get("load") or {}
+        http.post(url + "/admin/restore_kv_cache", timeout=timeout, headers=h)
         return {}

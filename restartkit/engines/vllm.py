@@ -112,9 +112,12 @@ class VLLMAdapter(EngineAdapter):
         argv += list(s["engine_args"]) + list(extra_args)
         from restartkit.engines.vllm_ext import ENV
         env = {ENV: "1", **s["env"], **self.key_env(policy)}
-        if policy.sleep["enabled"]:
-            env.setdefault("VLLM_SERVER_DEV_MODE", "1")
-        return LaunchSpec(argv=argv, env=env)
+        if policy.sleep["enabled"]:  # vLLM's /sleep, /wake_up and /collective_rpc: the launcher keys them (DEV_ROUTES)
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        # an inherited dev mode (the environment `restartkit start` ran in, a unit's Environment=) is not passed on
+        # where restartkit does not need it: its routes would answer anyone
+        unset = () if "VLLM_SERVER_DEV_MODE" in env else ("VLLM_SERVER_DEV_MODE",)
+        return LaunchSpec(argv=argv, env=env, unset=unset)
 
     def model_problem(self, policy) -> str | None:
         if self.version() is None:
@@ -126,7 +129,7 @@ class VLLMAdapter(EngineAdapter):
 
     def stats(self, policy, timeout: float = 10.0) -> dict:
         try:
-            return http.get(self.base_url(policy) + "/admin/stats", timeout=timeout)
+            return http.get(self.base_url(policy) + "/admin/stats", timeout=timeout, headers=self.admin_headers(policy))
         except http.HTTPFailure as e:
             if e.status != 404:
                 raise
@@ -184,7 +187,8 @@ class VLLMAdapter(EngineAdapter):
     def before_snapshot(self, policy, weights: bool = False, base: str | None = None) -> dict:
         if not weights:
             return {}  # a whole-process dump: vLLM's KV cache goes into the image as it is
-        return http.post((base or self.base_url(policy)) + "/admin/release_weights", timeout=120)
+        return http.post((base or self.base_url(policy)) + "/admin/release_weights", timeout=120,
+                         headers=self.admin_headers(policy))
 
     def after_resume(self, policy, timeout: float = 120.0, weights: bool = False, base: str | None = None) -> dict:
         if not weights:
@@ -192,7 +196,7 @@ class VLLMAdapter(EngineAdapter):
         loader = {**self.loader_config(policy), "absent_timeout_s": 5.0}
         loader["cache"]["fallback"] = False  # re-attached from the cache or not at all
         return http.post((base or self.base_url(policy)) + "/admin/reattach_weights", {"loader": loader},
-                         timeout=timeout).get("load") or {}
+                         timeout=timeout, headers=self.admin_headers(policy)).get("load") or {}
 
     # ---- sleep mode (POST /sleep, GET /is_sleeping, POST /wake_up, POST /collective_rpc) ----
     sleep_needs_reload = True  # level 2 drops the weights; vLLM reloads them only when asked
@@ -200,10 +204,12 @@ class VLLMAdapter(EngineAdapter):
     def sleep_request(self, policy, level: int) -> dict:
         # level always explicit (vLLM's default is 1); mode=wait lets in-flight requests finish
         # (new ones queue until the wake) instead of aborting them, vLLM's default
-        return http.post(f"{self.base_url(policy)}/sleep?level={int(level)}&mode=wait", timeout=300)
+        return http.post(f"{self.base_url(policy)}/sleep?level={int(level)}&mode=wait", timeout=300,
+                         headers=self.admin_headers(policy))
 
     def reload_weights(self, policy) -> None:
-        answer = http.post(f"{self.base_url(policy)}/collective_rpc", {"method": "reload_weights"}, timeout=900)
+        answer = http.post(f"{self.base_url(policy)}/collective_rpc", {"method": "reload_weights"}, timeout=900,
+                           headers=self.admin_headers(policy))
         errors = [r for r in (answer.get("results") or []) if isinstance(r, str) and "Error" in r]
         if errors:
             raise http.HTTPFailure("/collective_rpc reload_weights", 200, errors[0][:300])

@@ -95,10 +95,19 @@ class Admin:
         from fastapi.responses import JSONResponse
 
         def loopback_only(request: Request):
-            host = request.client.host if request.client else ""
-            if host not in LOOPBACK:
-                return JSONResponse({"error": "restartkit's admin calls answer loopback clients only"}, status_code=403)
+            if not admin_allowed(request.headers, request.client.host if request.client else ""):
+                return JSONResponse({"error": "restartkit's admin calls answer restartkit only (its admin token)"},
+                                    status_code=403)
             return None
+
+        @app.middleware("http")
+        async def keyed_dev_routes(request: Request, call_next):
+            """vLLM's dev-mode routes (on only where restartkit needs sleep mode) answer restartkit's calls only."""
+            if request.url.path in DEV_ROUTES and not admin_allowed(request.headers, request.client.host
+                                                                   if request.client else ""):
+                return JSONResponse({"error": f"{request.url.path} answers restartkit's calls only (its admin "
+                                              "token)"}, status_code=403)
+            return await call_next(request)
 
         async def stats(request: Request):
             return loopback_only(request) or JSONResponse(await self.stats())
@@ -118,6 +127,24 @@ class Admin:
         app.add_api_route("/admin/stats", stats, methods=["GET"])
         app.add_api_route("/admin/release_weights", release, methods=["POST"])
         app.add_api_route("/admin/reattach_weights", reattach, methods=["POST"])
+
+
+# vLLM's routes under VLLM_SERVER_DEV_MODE=1 (engine methods, sleep, caches, its configuration): keyed here
+DEV_ROUTES = ("/collective_rpc", "/sleep", "/wake_up", "/is_sleeping", "/server_info", "/reset_prefix_cache",
+              "/reset_mm_cache", "/reset_encoder_cache", "/update_weights", "/pause", "/resume", "/is_paused")
+
+
+def admin_allowed(headers, client_host: str) -> bool:
+    """restartkit's admin token (and the API key, when vLLM has one) where restartkit started the engine with one;
+    a launcher run by hand without one answers loopback clients only."""
+    import hmac
+    from restartkit.guard.admin import ADMIN_HEADER, ADMIN_TOKEN_ENV
+    token = os.environ.get(ADMIN_TOKEN_ENV)
+    if not token:
+        return client_host in LOOPBACK
+    key = os.environ.get("VLLM_API_KEY")
+    key_ok = not key or hmac.compare_digest((headers.get("authorization") or "").encode(), f"Bearer {key}".encode())
+    return key_ok and hmac.compare_digest((headers.get(ADMIN_HEADER) or "").encode(), token.encode())
 
 
 def _loader_config(args) -> dict:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from restartkit.errors import EngineStartError, UsageError
+from restartkit.guard import admin
 from restartkit.files import ensure_private_dir, write_json_atomic
 from restartkit.process import inflight, keeper, shm
 from restartkit.process.engine import EngineProcess
@@ -276,6 +277,9 @@ class EngineLifecycle:
             extra_args = [*extra_args, "--listen-fd", str(held.fd)]
         spec = self.adapter.launch(self.policy, list(extra_args))
         env = {**os.environ, **spec.env, **(extra_env or {}), "RESTARTKIT_SPAWN_TIME": repr(time.time())}
+        for name in spec.unset:  # inherited from whoever ran restartkit, and not to be: named by the adapter
+            env.pop(name, None)
+        env[admin.ADMIN_TOKEN_ENV] = admin.token(self.state_dir)  # its admin routes answer restartkit's calls only
         if not self.degraded:  # it keeps its requests in flight where a crash's record can count them
             inflight.sweep(self.state_dir)
             env[inflight.ENV] = str(self.state_dir)
@@ -455,6 +459,9 @@ class EngineLifecycle:
             self.sweep_gone()
             self.pidfile.unlink(missing_ok=True)
             return "not running"
+        if not ours(proc.pid, proc.start_ticks):  # engine.json names a process restartkit never started: left alone
+            self.pidfile.unlink(missing_ok=True)
+            return f"not running (engine.json named PID {proc.pid}, which restartkit did not start: not signalled)"
         r = self.policy.restart
         left, tree = self.shm_now(proc), set(tree_pids(proc.pid))
         how = proc.stop(timeout_s=r["stop_timeout_s"])

@@ -128,10 +128,10 @@ def matches(held: Held, host: str, port: int) -> str | None:
 def engine_broker(state_dir: Path) -> str:
     """The abstract Unix address (per network namespace, no file) where an engine that gave up the held
     socket for a CRIU dump takes it back (restartkit.reference.serving.detach): a copy restored in a network
-    namespace of its own for a test restore can never reach it."""
-    import hashlib
-    digest = hashlib.sha256(str(Path(state_dir).resolve()).encode()).hexdigest()[:20]
-    return f"\0restartkit-listener-{os.getuid()}-{digest}"
+    namespace of its own for a test restore can never reach it, and nobody without the service's admin token
+    can name it (restartkit.guard.admin.broker_name)."""
+    from restartkit.guard import admin
+    return admin.broker_name(admin.token(state_dir))
 
 
 class Broker:
@@ -153,8 +153,12 @@ class Broker:
         try:
             self.engines.bind(engine_broker(state_dir))
             self.engines.listen(16)
-        except OSError:  # another supervise of this state dir holds it: it refuses to start before this matters
+        except OSError as e:  # taken: an engine would take the socket back from whoever holds the name
             self.engines.close()
+            self.sock.close()
+            self.path.unlink(missing_ok=True)
+            raise ListenerError(e.errno, f"the engines' broker address of {state_dir} is taken ({e.strerror}): "
+                                "another supervise of this service runs, or a process of this user holds it") from None
         self.threads = [threading.Thread(target=self._serve, args=(s,), name="listener-broker", daemon=True)
                         for s in (self.sock, self.engines)]
         for t in self.threads:
@@ -200,6 +204,10 @@ def fetch_from(address: str, timeout_s: float = 2.0) -> Held | None:
         s.settimeout(timeout_s)
         try:
             s.connect(address)
+            _pid, uid, _gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                struct.calcsize("3i")))
+            if uid not in (os.getuid(), 0):  # another user's process squats the address: take nothing from it
+                return None
             _msg, fds, _flags, _addr = socket.recv_fds(s, 16, 1)
         except OSError:
             return None

@@ -29,7 +29,6 @@ from restartkit.snapshot.seal import seal, seal_problem
 from restartkit.snapshot.cudackpt import CudaCheckpoint, uses_cuda
 from restartkit.snapshot.store import Snapshot, SnapshotStore, dir_bytes
 from restartkit.process.engine import EngineProcess, describe_exit
-from restartkit.process.listener import engine_broker
 from restartkit.process.shm import held_by
 from restartkit.process.procfs import (comm, environ_and_argv, fd_targets, kill_tree, maps, parent, proc_state, reap,
                                        tree_pids)
@@ -212,7 +211,7 @@ def _dump(service, crit: Criu, pid: int, pids: list[int], images: Path, weightle
         t = frozen = time.monotonic()
         if held:
             service.intent.update(detached={"pid": pid})
-            base = adapter.detach_listener(pol, engine_broker(service.state_dir))
+            base = adapter.detach_listener(pol)
             out.admin_port = int(base.rsplit(":", 1)[1])
             service.intent.update(detached={"pid": pid, "admin_port": out.admin_port})
             out.phases["detach_listener"] = round(time.monotonic() - t, 3)

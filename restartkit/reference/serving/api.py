@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
+from restartkit.guard.admin import ADMIN_HEADER, ADMIN_TOKEN_ENV
 from restartkit.reference.log import log
 from restartkit.reference.serving.serving_completions import CompletionRoutes
 from restartkit.reference.serving.utility_routes import EngineMetrics, UtilityRoutes
@@ -139,6 +140,9 @@ class State:
     def __init__(self, model_name: str, api_key: str | None = None):
         self.model_name = model_name
         self.api_key = api_key  # clients send it to the PROTECTED routes (None: no key asked)
+        # restartkit's admin token (restartkit.guard.admin), from the environment restartkit started it with; an
+        # engine started by hand has none, and its admin routes answer loopback clients only, as before
+        self.admin_token: str | None = os.environ.get(ADMIN_TOKEN_ENV) or None
         self.metrics = EngineMetrics(self)  # /metrics
         self.engine = None
         self.tokenizer = None
@@ -339,7 +343,7 @@ class Handler(CompletionRoutes, UtilityRoutes, BaseHTTPRequestHandler):
         elif path == "/metrics":
             self._metrics()
         elif path == "/admin/stats":
-            if self._local_only():
+            if self._admin_ok():
                 self._send(200, self._stats())
         else:
             self._error(404, f"no route {path}")
@@ -363,10 +367,10 @@ class Handler(CompletionRoutes, UtilityRoutes, BaseHTTPRequestHandler):
                 self._detokenize(body)
             elif path in ("/sleep", "/wake_up"):
                 self._sleep_or_wake(path, query)
-            elif path.startswith("/admin/") and not self._local_only():
+            elif path.startswith("/admin/") and not self._admin_ok():
                 return
             elif path == "/admin/detach_listener":
-                self._admin_detach(body)
+                self._admin_detach()
             elif path == "/admin/drop_kv_cache":
                 self._admin_drop_kv()
             elif path == "/admin/release_weights":
@@ -395,16 +399,21 @@ class Handler(CompletionRoutes, UtilityRoutes, BaseHTTPRequestHandler):
             log(f"error on {path}: {type(e).__name__}: {e}")
             self._error(500, f"{type(e).__name__}: {e}", "server_error")
 
-    def _admin_detach(self, body: dict) -> None:
-        broker = body.get("broker")
-        if not isinstance(broker, str) or not broker:
-            self._error(400, "'broker' must name the address to take the held socket back from", param="broker")
+    def _admin_detach(self) -> None:
+        """Give up the held socket; it is taken back from the supervisor's broker, whose address follows from the
+        admin token (restartkit.guard.admin.broker_name): never from the request."""
+        st = self.server.state
+        if st.listeners is None:
+            self._error(409, "this engine serves no held socket (a standby promoted to serve, or one started on a "
+                             "port of its own)", "conflict")
             return
-        if self.server.state.listeners is None:
-            self._error(409, "this engine serves no held socket", "conflict")
+        if st.admin_token is None:
+            self._error(409, "this engine was started without restartkit's admin token: it has no broker to take "
+                             "the held socket back from", "conflict")
             return
+        from restartkit.guard.admin import broker_name
         try:
-            self._send(200, {"admin_port": self.server.state.listeners.detach(broker)})
+            self._send(200, {"admin_port": st.listeners.detach(broker_name(st.admin_token))})
         except RuntimeError as e:  # detach.DetachError: nothing to give up
             self._error(409, str(e), "conflict")
 
@@ -413,8 +422,7 @@ class Handler(CompletionRoutes, UtilityRoutes, BaseHTTPRequestHandler):
         if st.sleeper is None:
             self._error(404, "sleep mode is off: start the engine with --enable-sleep-mode")
             return
-        if not st.sleep_public and not self._from_this_host():
-            self._error(403, "sleep endpoints answer on loopback only (--sleep-endpoints-public to change that)")
+        if not st.sleep_public and not self._admin_ok():
             return
         from restartkit.reference.runtime.sleep import SleepError
         eng = st.engine
@@ -466,11 +474,25 @@ class Handler(CompletionRoutes, UtilityRoutes, BaseHTTPRequestHandler):
         return client in ("127.0.0.1", "::1") or client.startswith("127.") or (
             bound not in ("0.0.0.0", "::", "") and client == bound)
 
-    def _local_only(self) -> bool:
-        """Admin endpoints (stats, KV-cache drop) answer this host only; a 403 otherwise."""
-        if self._from_this_host():
+    def _admin_ok(self) -> bool:
+        """Admin calls (stats, sleep and wake, KV-cache drop, weights release, the held socket) carry restartkit's
+        admin token when the engine has one (and the API key too, when one is set); an engine started by hand
+        without one answers them on loopback only.  A 403 otherwise: an address is not a credential."""
+        import hmac
+        st = self.server.state
+        if st.admin_token is None:
+            if self._from_this_host():
+                return True
+            self._error(403, "admin endpoints answer on loopback only", "forbidden")
+            return False
+        sent = (self.headers.get(ADMIN_HEADER) or "").encode()
+        key_ok = st.api_key is None or hmac.compare_digest((self.headers.get("Authorization") or "").encode(),
+                                                           f"Bearer {st.api_key}".encode())
+        if hmac.compare_digest(sent, st.admin_token.encode()) and key_ok:
             return True
-        self._error(403, "admin endpoints answer on loopback only", "forbidden")
+        self.close_connection = True
+        self._error(403, "admin endpoints answer restartkit's own calls only (its admin token, in the service's "
+                         "state dir)", "forbidden")
         return False
 
     def _serving(self) -> bool:

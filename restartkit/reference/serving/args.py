@@ -26,12 +26,15 @@ def _positive(text: str) -> int:
     return n
 
 
+DESCRIPTION = "Serve a checkpoint with the reference engine (OpenAI routes)."
+EXAMPLES = """examples:
+  restartkit engine serve --model ./m --port 8000
+  restartkit engine serve --model ./m --device cuda --dtype bfloat16 --max-num-seqs 32 --enable-sleep-mode"""
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="restartkit engine serve", description="Serve a checkpoint with the reference engine (OpenAI routes).",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  restartkit engine serve --model ./m --port 8000\n"
-               "  restartkit engine serve --model ./m --device cuda --dtype bfloat16 --max-num-seqs 32 --sleep-mode")
+    p = argparse.ArgumentParser(prog="restartkit engine serve", description=DESCRIPTION, epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
