@@ -2,9 +2,9 @@
 heavy (torch) is imported until a command needs it."""
 from __future__ import annotations
 
+import errno
 import functools
 import json
-import math
 import os
 import sys
 
@@ -34,6 +34,14 @@ def friendly(fn):
             click.echo("  -> the next restartkit command reconciles (`restartkit start` brings the service back)",
                        err=True)
             sys.exit(128 + cut.signum)
+        except OSError as e:
+            if e.errno != errno.ENAMETOOLONG:
+                raise
+            name = str(e.filename or "")
+            click.secho(f"error: a path is too long for the filesystem ({len(os.fsencode(name))} bytes: "
+                        f"{name[:60]}...)", fg="red", err=True, color=COLOR)
+            click.echo("  -> a path holds at most 4095 bytes and each of its names 255: shorten it", err=True)
+            sys.exit(2)
         except RestartkitError as e:
             click.secho(f"error: {e.message}", fg="red", err=True, color=COLOR)
             if e.hint:
@@ -283,7 +291,7 @@ def stop(policy_path, wait_s, as_json):
     except RuntimeError as e:
         raise EngineStartError(str(e), hint="look at the supervisor's log (journalctl -u restartkit-...), or kill it") from None
     from restartkit.commands.standby import disarm
-    with guarded(svc, "stop", wait_s):
+    with guarded(svc, "stop", wait_s, writes=False):  # what an operator reaches for on a full disk
         how = svc.engine.stop() if svc.current() is not None or sup is None else "stopped by its supervisor"
         if (sb := disarm(svc)) is not None:
             how += f"; its standby (PID {sb}) stopped"
@@ -796,7 +804,7 @@ def snapshot_list(policy_path, as_json):
     snaps = store.list()
     rows = [{"id": s.id, "kind": s.manifest.get("kind") or "full",
              "current": cur is not None and s.id == cur.id,
-             "age_h": round(s.age_s / 3600, 2) if math.isfinite(s.age_s) else None,
+             "age_h": round(s.age_s / 3600, 2) if not s.damaged and not s.suspect else None,
              "image_bytes": s.manifest.get("image_bytes"), "suspect": s.suspect,
              "tested": (s.manifest.get("tested") or {}).get("ok"), "damaged": s.damaged} for s in snaps]
     text = "\n".join(f"{'*' if r['current'] else ' '} {r['id']}  {r['kind']:<10} {r['age_h'] if r['age_h'] is not None else '?':>6} h  "

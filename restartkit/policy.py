@@ -94,8 +94,35 @@ def _host(v):
     return None if HOSTNAME.fullmatch(v) else "must be an IP address or a host name"
 
 
+PATH_MAX, NAME_MAX = 4096, 255  # Linux: a whole path, and one of its components
+
+
 def _path(v):
-    return "must not hold control characters (line breaks, tabs, NUL)" if any(ord(c) < 32 or c == "\x7f" for c in v) else None
+    if any(ord(c) < 32 or c == "\x7f" for c in v):
+        return "must not hold control characters (line breaks, tabs, NUL)"
+    return path_length_problem(v)
+
+
+def path_length_problem(v: str) -> str | None:
+    """Why a path is too long for the filesystem (ENAMETOOLONG), or None."""
+    if len(os.fsencode(v)) >= PATH_MAX:
+        return f"is {len(os.fsencode(v))} bytes long: a path holds at most {PATH_MAX - 1}"
+    if longest := max((p for p in v.split("/")), key=lambda p: len(os.fsencode(p)), default=""):
+        if len(os.fsencode(longest)) > NAME_MAX:
+            return f"has a component of {len(os.fsencode(longest))} bytes ({longest[:40]}...): at most {NAME_MAX}"
+    return None
+
+
+def _served_name(v):
+    if any(ord(c) < 32 or c == "\x7f" for c in v) or len(v) > 256:
+        return "must be at most 256 characters, without control characters"
+    return None
+
+
+def _parallel(limit: int, what: str):
+    def check(v):
+        return None if 0 < v <= limit else f"must be from 1 to {limit} ({what})"
+    return check
 
 
 def _argv(v):
@@ -147,15 +174,15 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "model": Key(str, None, doc="checkpoint directory (or hub id for vllm/sglang); ~ and $VARS are expanded",
                      check=_path),
         "revision": Key(str, "", doc="pinned 40-hex revision", check=_revision),
-        "served_model_name": Key(str, "", doc="the model name the engine serves and restartkit's probes and canary "
+        "served_model_name": Key(str, "", check=_served_name, doc="the model name the engine serves and restartkit's probes and canary "
                                                "send (default: the adapter's own, else the first of /v1/models)"),
         "host": Key(str, "127.0.0.1", check=_host),
         "port": Key(int, 8000, check=_port),
         "device": Key(str, "cpu", ("cpu", "cuda")),
         "dtype": Key(str, "auto", ("auto", "float32", "bfloat16", "float16")),
-        "tensor_parallel_size": Key(int, 1, check=_positive),
-        "data_parallel_size": Key(int, 1, check=_positive),
-        "pipeline_parallel_size": Key(int, 1, check=_positive),
+        "tensor_parallel_size": Key(int, 1, check=_parallel(64, "the devices one model instance spans")),
+        "data_parallel_size": Key(int, 1, check=_parallel(1024, "replicas")),
+        "pipeline_parallel_size": Key(int, 1, check=_parallel(64, "pipeline stages")),
         "expert_parallel": Key(bool, False),
         "quantization": Key(str, "none", ("none", "int8"), "weight-only quantization applied at load (processed weights)"),
         "max_model_len": Key(int, 1024, check=_positive),

@@ -496,3 +496,41 @@ def test_a_zombie_on_a_snapshots_pid_is_named_at_once(served):
     finally:
         parent.kill()
         parent.wait()
+
+
+@needs_root
+def test_stop_works_on_a_full_state_dir(make_policy, service_cleanup, tmp_path):
+    """What an operator reaches for on a full disk: stop stops the engine anyway (its intent and the lock's holder
+    line are advice it goes without); start still refuses there, naming the dir."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(disk)], check=True)
+    try:
+        policy = make_policy()
+        policy.write_text(policy.read_text().replace(str(tmp_path / "state"), str(disk / "state")))
+        service_cleanup(policy)
+        assert run_cli("start", "--policy", policy).returncode == 0
+        pid = json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]
+        fill(disk / "filler")
+        r = run_cli("stop", "--policy", policy)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{pid}")
+        fill(disk / "filler2")  # what the stop freed (engine.json, the lock's line)
+        r = run_cli("start", "--policy", policy)
+        assert r.returncode == 2 and "is not writable" in r.stderr, r.stdout + r.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
+
+
+def fill(path) -> None:
+    """Write to `path` until its disk is full, to the last block."""
+    with open(path, "wb", buffering=0) as f:
+        for size in (65536, 4096, 512, 1):
+            try:
+                while True:
+                    f.write(b"x" * size)
+            except OSError:
+                pass

@@ -139,6 +139,9 @@ def test_deep_nesting_is_refused_without_a_traceback(tmp_path):
     ('name = "svc\\n"', "service.name"), ('host = "127.0.0.1\\n$(reboot)"', "service.host"),
     ('env = {X = 1}', "service.env"), ('command = [1, 2]', "service.command"),
     ('state_dir = "/tmp/a\\nb"', "service.state_dir"),
+    ('state_dir = "/tmp/' + "s" * 300 + '"', "service.state_dir"), ('draft_model = "/' + "m" * 256 + '"', "service.draft_model"),
+    ('tensor_parallel_size = 1000000', "service.tensor_parallel_size"),
+    ('data_parallel_size = 100000', "service.data_parallel_size"),
 ])
 def test_service_values_that_break_things_later_are_refused(tmp_path, line, key):
     path = tmp_path / "p.toml"
@@ -204,6 +207,7 @@ BAD_COMMAND_LINES = [
     ("preload", "--policy", "{policy}", "--startup-timeout", "-inf"),
     ("sleep", "--policy", "{policy}", "--level", "3"),
     ("plan", "--policy", "/nonexistent.toml"),
+    ("plan", "--policy", "/tmp/" + "p" * 300 + ".toml"),
 ]
 
 

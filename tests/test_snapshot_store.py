@@ -1,6 +1,6 @@
 """The snapshot store against damaged manifests: named as damaged, kept for inspection, never
 restored and never pruned silently; a snapshot that is a link is shown, not hidden; a creation
-time in the future counts as old (the next refresh takes it again)."""
+time in the future is suspect with its reason (the next refresh takes it again), the others listed as they are."""
 import json
 import math
 import os
@@ -58,10 +58,32 @@ def test_damaged_snapshots_are_listed_kept_and_never_current_for_a_restore(tmp_p
     assert {s.id for s in store.list()} == set(listed)
 
 
-def test_a_creation_time_in_the_future_is_old():
+def test_a_creation_time_in_the_future_is_suspect_with_its_reason():
     from restartkit.snapshot.store import Snapshot
-    assert Snapshot(None, {**GOOD, "created_at": time.time() + 86400}).age_s == math.inf
+    ahead = Snapshot(None, {**GOOD, "created_at": time.time() + 86400})
+    assert "dated 86400 s in the future" in ahead.suspect["reason"] and ahead.age_s == 0
+    assert Snapshot(None, {**GOOD, "created_at": time.time() + 60}).suspect is None  # within the clock's skew
     assert 0 <= Snapshot(None, {**GOOD, "created_at": time.time() - 5}).age_s < 60
+
+
+@pytest.mark.slow
+def test_a_snapshot_dated_in_the_future_leaves_the_store_readable(make_policy):
+    """A clock stepped back: plan names the snapshot suspect with why (no OverflowError), list shows every
+    snapshot, and an older one is still listed as it was."""
+    policy = make_policy()
+    policy.write_text(policy.read_text().replace("[restart]\n", '[restart]\nstrategies = ["criu", "cold"]\n'))
+    root = policy.parent / "state" / "svc" / "snapshots"
+    root.mkdir(parents=True, mode=0o700)
+    snapshot(root, "20260101-000000-1", {**GOOD, "created_at": time.time() - 3600})
+    ahead = snapshot(root, "20990101-000000-1", {**GOOD, "created_at": time.time() + 86400 * 30})
+    SnapshotStore(root).make_current(SnapshotStore(root).get(ahead.name))
+    r = run_cli("plan", "--policy", policy, "--json")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    (criu,) = [v for v in json.loads(r.stdout)["strategies"] if v["strategy"] == "criu"]
+    assert "in the future" in " ".join(criu["reasons"]), criu
+    listed = json.loads(run_cli("snapshot", "list", "--policy", policy, "--json").stdout)
+    rows = {s["id"]: s for s in listed["snapshots"]}
+    assert rows["20260101-000000-1"]["age_h"] == 1.0 and rows["20990101-000000-1"]["suspect"], rows
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from restartkit.guard.deferred import deferred_signals
 from restartkit.guard.intent import Intent
 from restartkit.guard.lock import service_lock
 from restartkit.guard.preflight import preflight_writable
+from restartkit.guard.trust import check_trusted
 from restartkit.record import Record, write_record
 from restartkit.snapshot.store import MANIFEST
 from restartkit.process.engine import EngineProcess
@@ -188,12 +189,18 @@ def _record(service, stale: dict, result: dict) -> None:
 
 @contextlib.contextmanager
 def guarded(service, command: str, wait_s: float = 0.0, say: Callable[[str], None] = lambda _m: None,
-            extra_dirs: tuple[tuple[Path, str], ...] = (), defer_signals: bool = True) -> Iterator[list[int]]:
+            extra_dirs: tuple[tuple[Path, str], ...] = (), defer_signals: bool = True,
+            writes: bool = True) -> Iterator[list[int]]:
     """Everything a command that changes a service does first: the state dir (and
     `extra_dirs`) proven writable, the service's lock, signals deferred, an
     interrupted command before it reconciled, and its own intent begun.
+    `writes=False` (stop): a full or read-only state dir does not stop it, its intent is written where it can be.
     Yields the list of deferred signals received (empty: none)."""
-    preflight_writable(service.state_dir)
+    if writes:
+        preflight_writable(service.state_dir)
+    else:
+        check_trusted(service.state_dir, "state dir", "--state-dir / [service] state_dir")
+        service.intent.best_effort = True
     for directory, what in extra_dirs:
         preflight_writable(directory, what)
     with service_lock(service.state_dir, service.policy.name, command, wait_s, say):

@@ -19,6 +19,7 @@ class Intent:
     def __init__(self, state_dir: Path):
         self.path = state_dir / "intent.json"
         self.data: dict = {}
+        self.best_effort = False  # a stop on a full state dir goes on without it (it starts nothing to reconcile)
 
     def begin(self, command: str, **info) -> None:
         self.data = {"command": command, "pid": os.getpid(), "start_ticks": proc_start_ticks(os.getpid()),
@@ -36,10 +37,18 @@ class Intent:
 
     def clear(self) -> None:
         self.data = {}
-        self.path.unlink(missing_ok=True)
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError:
+            if not self.best_effort:
+                raise
 
     def _write(self) -> None:
-        write_json_atomic(self.path, self.data, indent=None)
+        try:
+            write_json_atomic(self.path, self.data, indent=None)
+        except OSError:
+            if not self.best_effort:
+                raise
 
     def read_stale(self) -> dict | None:
         """The intent of a command that is gone (None when there is none, or its writer still runs)."""

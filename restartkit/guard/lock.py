@@ -3,6 +3,7 @@ second waits (`--wait`) or exits 75 naming the holder.  The lock file says who h
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -44,7 +45,12 @@ def service_lock(state_dir: Path, service: str, command: str, wait_s: float = 0.
     """Hold the service's lock for the block, waiting up to `wait_s` for another command's."""
     path = state_dir / "lock"
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:  # a read-only state dir (only a stop gets this far): flock needs no write access
+            if e.errno != errno.EROFS:
+                raise
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         raise UsageError(f"the lock file {path} cannot be opened ({e.strerror or e}); nothing was touched",
                          hint="it must be a regular file restartkit can write (a directory, a link or an immutable "
@@ -64,9 +70,12 @@ def service_lock(state_dir: Path, service: str, command: str, wait_s: float = 0.
         if not (seam or Seam()).wait_until(taken, wait_s, LOCK_POLL_S):
             raise BusyError(f"busy: {_who(_read_holder(fd))} on {service}" + (f" (waited {wait_s:.0f} s)" if wait_s else ""),
                             hint="try again when it is done, or pass --wait SECONDS")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "start_ticks": proc_start_ticks(os.getpid()),
-                                  "command": command, "since": time.time()}).encode(), 0)
+        try:  # who holds it, for the next command's message: advice, which a full disk may refuse
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps({"pid": os.getpid(), "start_ticks": proc_start_ticks(os.getpid()),
+                                      "command": command, "since": time.time()}).encode(), 0)
+        except OSError:
+            pass
         yield
     finally:
         os.close(fd)  # closing releases the lock

@@ -33,14 +33,21 @@ class Snapshot:
 
     @property
     def suspect(self) -> dict | None:
-        return self.manifest.get("suspect")
+        """Why it is not to be restored before a refresh (None: it may be): marked so after a failed restore or
+        test, or dated in the future (a clock stepped back, an edited manifest), which no age can be read from."""
+        if marked := self.manifest.get("suspect"):
+            return marked
+        ahead = self.manifest.get("created_at", 0) - time.time()
+        if isinstance(ahead, (int, float)) and ahead > CLOCK_SKEW_S:
+            return {"reason": f"it is dated {ahead:.0f} s in the future (a clock stepped back, or an edited "
+                              "manifest)", "at": time.time()}
+        return None
 
     @property
     def age_s(self) -> float:
-        """Seconds since it was taken; a time in the future (a clock stepped back, an edited file)
-        counts as infinitely old, so that the next refresh takes it again."""
-        age = time.time() - self.manifest.get("created_at", 0)
-        return age if age > -CLOCK_SKEW_S else math.inf
+        """Seconds since it was taken (0 for one dated in the future: `suspect` says so, and a refresh takes
+        it again)."""
+        return max(0.0, time.time() - self.manifest.get("created_at", 0))
 
 
 CLOCK_SKEW_S = 300.0
