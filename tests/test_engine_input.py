@@ -141,6 +141,9 @@ MALFORMED = {
     "not an object": b'[1, 2]',
     "not json": b'{"prompt": ',
     "negative max_tokens": b'{"prompt": "hi", "max_tokens": -1}',
+    "subnormal temperature": b'{"prompt": "hi", "max_tokens": 2, "temperature": 5e-324}',
+    "subnormal repetition_penalty": b'{"prompt": "hi", "max_tokens": 2, "repetition_penalty": 5e-324}',
+    "seed past 2**64": b'{"prompt": "hi", "max_tokens": 2, "seed": 18446744073709551616}',
 }
 
 
@@ -223,3 +226,20 @@ def test_a_client_that_closes_early_is_one_log_line(tmp_path):
     text = log.read_text()
     assert "Traceback" not in text
     assert len([line for line in text.splitlines() if "client 127.0.0.1:" in line]) == 2, text
+
+
+@pytest.mark.parametrize("template", ["{{ 'x' * 4000000000 }}", "{{ ['a'] * 400000000 }}", "{{ 10 ** 100000000 }}",
+                                      "{% set s = 'x' * 4000000 %}{{ s + s }}"])
+def test_a_chat_template_is_sized_before_it_allocates(template):
+    """A rendering's size is checked before a repetition, a power or a join is made (it was checked as text
+    came out, after 11.7 GB had been allocated): a 400 at once, with little memory."""
+    import tracemalloc
+    from restartkit.reference.serving.completions import BadRequest, render_chat
+    tracemalloc.start()
+    try:
+        with pytest.raises(BadRequest) as e:
+            render_chat(template, [{"role": "user", "content": "hi"}], {})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert e.value.param == "messages" and peak < 64 << 20, (str(e.value), peak)

@@ -468,7 +468,7 @@ class Supervisor:
                                  "served_by": rec.served_by, "final_state": rec.final_state,
                                  "time_to_ready_s": rec.time_to_ready_s, "record": rec.id,
                                  "noticed_to_serving_s": (rec.trigger or {}).get("noticed_to_serving_s")})
-        self.say(f"{svc.policy.name}: {rec.final_state} by {rec.served_by}"
+        self.say(f"{svc.policy.name}: {rec.final_state}" + (f" by {rec.served_by}" if rec.served_by else "")
                  + (f" {rec.trigger['noticed_to_serving_s']:.2f} s after the failure was noticed"
                     if (rec.trigger or {}).get("noticed_to_serving_s") is not None else ""))
         self._save(rec.final_state)

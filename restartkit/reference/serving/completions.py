@@ -89,11 +89,13 @@ def _common(body: dict, chat: bool) -> dict:
     temperature = body.get("temperature", 1.0)
     if temperature is None:
         temperature = 1.0
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
-        raise BadRequest(f"temperature must be a number from 0 to 2, not {temperature!r}", "temperature")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            temperature == 0 or MIN_SCALE <= temperature <= 2):  # a subnormal one divides the logits into inf
+        raise BadRequest(f"temperature must be 0 (greedy) or a number from {MIN_SCALE:g} to 2, not "
+                         f"{json.dumps(temperature)[:40]}", "temperature")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise BadRequest(f"seed must be an integer, not {seed!r}", "seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -(1 << 63) <= seed < 1 << 64):
+        raise BadRequest(f"seed must be an integer from -2**63 to 2**64 - 1, not {str(seed)[:40]}", "seed")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
@@ -107,6 +109,9 @@ def _common(body: dict, chat: bool) -> dict:
     return {"max_tokens": max_tokens, "temperature": float(temperature), "seed": seed,
             "n": _int(body, "n", 1, 1, MAX_N), "stop": stop, "stream": stream,
             "include_usage": bool((opts or {}).get("include_usage")), "sampling": _sampling(body, max_tokens)}
+
+
+MIN_SCALE = 1e-5  # the smallest temperature or repetition penalty: logits are divided by it
 
 
 def _number(body: dict, key: str, default: float, low: float, high: float, low_open: bool = False) -> float:
@@ -135,7 +140,7 @@ def _sampling(body: dict, max_tokens: int | None) -> dict:
             "min_p": _number(body, "min_p", 0.0, 0.0, 1.0),
             "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
             "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-            "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.0, 10.0, low_open=True),
+            "repetition_penalty": _number(body, "repetition_penalty", 1.0, MIN_SCALE, 10.0),
             "stop_token_ids": tuple(ids), "ignore_eos": ignore_eos, "min_tokens": min_tokens}
 
 
@@ -259,7 +264,28 @@ def render_chat(template: str, messages: list[dict], special: dict) -> str:
     def raise_exception(message):
         raise BadRequest(f"the chat template refused the messages: {message}", "messages")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    class Bounded(ImmutableSandboxedEnvironment):
+        """Jinja's sandbox, with repetition (`'x' * n`, `[..] * n`) and powers sized before they are made: the
+        output limit is checked as text comes out, after an allocation that would already have been made."""
+        intercepted_binops = frozenset(["*", "**", "+"])
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)) \
+                    and len(left) + len(right) > RENDER_MAX_CHARS:
+                raise BadRequest(f"the chat template joins values past the {RENDER_MAX_CHARS} characters a rendering "
+                                 "may hold", "messages")
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, bytes, list, tuple)) and isinstance(n, int) and \
+                            len(seq) * max(n, 0) > RENDER_MAX_CHARS:
+                        raise BadRequest(f"the chat template repeats a value {n} times, past the {RENDER_MAX_CHARS} "
+                                         "characters a rendering may hold", "messages")
+            if operator == "**" and isinstance(right, int) and abs(right) > 4096:
+                raise BadRequest(f"the chat template raises to the power {right}, past what a rendering may compute",
+                                 "messages")
+            return super().call_binop(context, operator, left, right)
+
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **_: json.dumps(x, indent=indent,
                                                                                        ensure_ascii=ensure_ascii)
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
