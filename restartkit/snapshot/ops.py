@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from restartkit import __version__
+from restartkit import __version__, http
 from restartkit.errors import StrategyError, UsageError
 from restartkit.guard.deferred import check_interrupted
 from restartkit.snapshot.criu import Criu, CriuError, put_back_shm, restored_exit
@@ -211,7 +211,17 @@ def _dump(service, crit: Criu, pid: int, pids: list[int], images: Path, weightle
         t = frozen = time.monotonic()
         if held:
             service.intent.update(detached={"pid": pid})
-            base = adapter.detach_listener(pol)
+            try:
+                base = adapter.detach_listener(pol)
+            except http.HTTPFailure as e:
+                if e.status != 409:
+                    raise
+                service.intent.update(detached=None)  # it gave nothing up
+                # e.g. a standby promoted after a crash: it serves on supervise's socket but cannot give it up
+                raise UsageError(f"PID {pid} cannot give up supervise's held socket for a dump ({e.message}); "
+                                 "no snapshot was taken and it keeps serving",
+                                 hint="restart it once under supervise (systemctl reload, or restartkit restart "
+                                      "--strategy cold), then take the snapshot") from None
             out.admin_port = int(base.rsplit(":", 1)[1])
             service.intent.update(detached={"pid": pid, "admin_port": out.admin_port})
             out.phases["detach_listener"] = round(time.monotonic() - t, 3)
