@@ -35,8 +35,10 @@ def refused(port, body) -> tuple[int, dict, dict]:
     return e.value.code, dict(e.value.headers), json.loads(e.value.read())
 
 
-def stats(port) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/stats", timeout=10) as r:
+def stats(port, token: str | None = None) -> dict:
+    from restartkit.guard.admin import ADMIN_HEADER
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/admin/stats", headers={ADMIN_HEADER: token} if token else {})
+    with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())["scheduler"]
 
 
@@ -249,3 +251,30 @@ def test_a_quiet_sequence_hands_its_tokens_over_with_its_end():
     got = [quiet.events.get_nowait() for _ in range(3)]
     assert [(e.kind, e.token) for e in got] == [("token", 7), ("token", 8), ("done", -1)]
     assert got[0].at <= got[1].at < got[2].at - 0.005 and quiet.events.empty()
+
+
+
+
+def test_the_canary_goes_first_past_a_full_queue(tiny_model):
+    """A backlog of clients never 503s restartkit's canary (its header and the service's admin token): it goes
+    ahead of the queue and past its limits.  The header alone, or anyone else's request, meets them (here a
+    request of 2 sequences against a queue of 1: refused whatever else runs)."""
+    from restartkit.guard.admin import ADMIN_HEADER, ADMIN_TOKEN_ENV
+    token = "c" * 64
+    proc, port = serve_reference(tiny_model, "--max-num-seqs", "2", "--max-queued-seqs", "1", "--threads", "1",
+                                 env={ADMIN_TOKEN_ENV: token})
+    try:
+        def ask(headers):
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(
+                {"prompt": "hi", "max_tokens": 2, "temperature": 0, "n": 2}).encode(),
+                {"Content-Type": "application/json", **headers})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    return r.status
+            except urllib.error.HTTPError as e:
+                return e.code
+        assert ask({}) == 400 and ask({CANARY_HEADER: "1"}) == 400 and ask({ADMIN_HEADER: token}) == 400
+        assert ask({CANARY_HEADER: "1", ADMIN_HEADER: token}) == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)

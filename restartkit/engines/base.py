@@ -65,7 +65,7 @@ class EngineAdapter:
         canary (CANARY_HEADER), which an engine that batches runs in a batch of its own."""
         body = {"model": self.served_name(policy), "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0.0, **(self.completion_extra if extra is None else extra)}
-        headers = {**self.auth_headers(policy), **({CANARY_HEADER: "1"} if canary else {})}
+        headers = {**self.auth_headers(policy), **({CANARY_HEADER: "1", **self.admin_headers(policy)} if canary else {})}
         url = base or self.base_url(policy)
         try:
             return http.post(url + "/v1/completions", body, timeout=timeout, headers=headers or None)

@@ -64,13 +64,18 @@ class Scheduler:
         self._ahead: tuple[list[Sequence], object] | None = None  # sequences and the step launched ahead for them
 
     # ---- the HTTP surface's side ------------------------------------------------------------
-    def submit(self, seqs: list[Sequence]) -> None:
-        """Queue a request's sequences, all or none (Overloaded when they do not fit the waiting queue)."""
+    def submit(self, seqs: list[Sequence], first: bool = False) -> None:
+        """Queue a request's sequences, all or none (Overloaded when they do not fit the waiting queue);
+        `first`: ahead of the queue and past its limit (restartkit's canary: a backlog of clients must not make
+        it discard a good engine)."""
         with self.cond:
-            if len(self.waiting) + len(seqs) > self.max_waiting:
+            if not first and len(self.waiting) + len(seqs) > self.max_waiting:
                 raise Overloaded(f"{len(self.waiting)} sequences are waiting (max {self.max_waiting}); "
                                  "retry shortly")
-            self.waiting.extend(seqs)
+            if first:
+                self.waiting.extendleft(reversed(seqs))
+            else:
+                self.waiting.extend(seqs)
             self.cond.notify_all()
 
     @property

@@ -474,6 +474,13 @@ class Handler(CompletionRoutes, UtilityRoutes, BaseHTTPRequestHandler):
         return client in ("127.0.0.1", "::1") or client.startswith("127.") or (
             bound not in ("0.0.0.0", "::", "") and client == bound)
 
+    def _admin_sent(self) -> bool:
+        """The request carries restartkit's admin token (False where the engine has none)."""
+        import hmac
+        token = self.server.state.admin_token
+        return token is not None and hmac.compare_digest((self.headers.get(ADMIN_HEADER) or "").encode(),
+                                                         token.encode())
+
     def _admin_ok(self) -> bool:
         """Admin calls (stats, sleep and wake, KV-cache drop, weights release, the held socket) carry restartkit's
         admin token when the engine has one (and the API key too, when one is set); an engine started by hand
@@ -485,10 +492,9 @@ class Handler(CompletionRoutes, UtilityRoutes, BaseHTTPRequestHandler):
                 return True
             self._error(403, "admin endpoints answer on loopback only", "forbidden")
             return False
-        sent = (self.headers.get(ADMIN_HEADER) or "").encode()
         key_ok = st.api_key is None or hmac.compare_digest((self.headers.get("Authorization") or "").encode(),
                                                            f"Bearer {st.api_key}".encode())
-        if hmac.compare_digest(sent, st.admin_token.encode()) and key_ok:
+        if self._admin_sent() and key_ok:
             return True
         self.close_connection = True
         self._error(403, "admin endpoints answer restartkit's own calls only (its admin token, in the service's "

@@ -57,7 +57,7 @@ class CompletionRoutes:
             self._error(503, f"the engine is not ready: {e}", "unavailable")
             return
         try:
-            st.engine.scheduler.submit(seqs)
+            st.engine.scheduler.submit(seqs, first=self._canary())
         except Overloaded as e:
             self._error(503, f"the engine is busy: {e}", "unavailable")
             return
@@ -102,6 +102,11 @@ class CompletionRoutes:
             "sequence(s) cancelled")
         self.close_connection = True
 
+    def _canary(self) -> bool:
+        """restartkit's canary (its header and the admin token): it goes first, past the queue's limits, so that a
+        backlog of clients never makes restartkit discard a good engine."""
+        return self.headers.get(CANARY_HEADER) is not None and self._admin_sent()
+
     def _wrong_model(self, model) -> bool:
         """A 404 for a model this engine does not serve (absent: the one it serves)."""
         served = self.server.state.model_name
@@ -143,7 +148,7 @@ class CompletionRoutes:
             raise BadRequest(f"the request asks for up to {work} tokens (prompt and max_tokens, for each prompt and "
                              f"each of n choices); the limit is max_num_seqs x max_model_len = {limit}: ask for fewer "
                              "prompts, a smaller n or max_tokens", "max_tokens")
-        if len(seqs) > eng.scheduler.max_waiting:
+        if len(seqs) > eng.scheduler.max_waiting and not self._canary():
             raise BadRequest(f"the request has {len(seqs)} sequences (prompts x n); at most "
                              f"{eng.scheduler.max_waiting} can wait for the engine", "n")
         return seqs
