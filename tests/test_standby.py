@@ -664,3 +664,25 @@ def test_disarm_never_signals_a_process_that_is_not_restartkits(make_policy, ser
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_busy_standby_is_promoted_on_a_crash_under_cpu_load(supervised, make_policy, sockdir, preloads):
+    """Both cores busy (four spinning processes at the standby's priority): its private /health may be slow, but
+    it is not frozen, and a crash is still served through it."""
+    import subprocess
+    import sys
+    policy = policy_with_standby(make_policy, sockdir)
+    start_preload(policy, preloads)
+    s = supervised(policy)
+    first = wait_for(lambda: (sb := standby(policy)) and sb["state"] == "prepared" and sb)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]
+    try:
+        time.sleep(1)
+        os.kill(s.status()["pid"], signal.SIGKILL)
+        rec = s.wait_record(1, timeout=180)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert rec["reason"] == "crash" and rec["served_by"] == "standby", (rec["served_by"], rec["plan"])
+    assert s.status()["pid"] == first["pid"]

@@ -188,15 +188,17 @@ def state(service) -> dict | None:
     return rec
 
 
-# how long an armed standby may take to answer /health on its private port before it counts as frozen
+# how long an armed standby may take to answer /health on its private port before it counts as busy (not frozen)
 LIVENESS_TIMEOUT_S = 1.0
 
 
 def frozen(rec: dict, probe: bool = True) -> str | None:
-    """Why an armed standby that is alive would not answer if promoted now (None: it answers): a process of
-    its tree stopped (SIGSTOP), or (`probe`) its private port silent for LIVENESS_TIMEOUT_S."""
+    """Why an armed standby that is alive would not answer if promoted now (None: it answers, or is only busy):
+    a process of its tree stopped (SIGSTOP), or (`probe`) nothing listening on its private port any more.  A
+    slow answer is not one of them: on a loaded host a prepared standby's /health can take seconds, and a busy
+    standby promoted still beats a cold start (its promotion has a deadline of its own, then the recovery)."""
     from restartkit import http
-    from restartkit.process.procfs import stopped_in
+    from restartkit.process.procfs import port_has_listener, stopped_in
     if (pid := stopped_in(rec["pid"])) is not None:
         return (f"the standby (PID {rec['pid']}) is frozen: PID {pid} is stopped (state T; SIGCONT resumes it, or "
                 "`restartkit standby disarm`)")
@@ -205,9 +207,10 @@ def frozen(rec: dict, probe: bool = True) -> str | None:
     try:
         http.get(f"http://127.0.0.1:{rec['admin_port']}/health", timeout=LIVENESS_TIMEOUT_S)
     except http.HTTPFailure as e:
-        if e.status is None:  # no answer at all; any HTTP status (503: not activated yet) is an answer
-            return (f"the standby (PID {rec['pid']}) did not answer /health on its private port "
-                    f"{rec['admin_port']} within {LIVENESS_TIMEOUT_S:g} s: {e.message}")
+        # no answer at all (any HTTP status, 503 not activated yet, is one): dead only when nothing listens
+        if e.status is None and not port_has_listener(rec["admin_port"]):
+            return (f"the standby (PID {rec['pid']}) has nothing listening on its private port {rec['admin_port']} "
+                    f"any more ({e.message})")
     return None
 
 
