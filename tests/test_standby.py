@@ -686,3 +686,26 @@ def test_a_busy_standby_is_promoted_on_a_crash_under_cpu_load(supervised, make_p
             h.wait()
     assert rec["reason"] == "crash" and rec["served_by"] == "standby", (rec["served_by"], rec["plan"])
     assert s.status()["pid"] == first["pid"]
+
+
+def test_a_standby_orphaned_by_a_killed_supervise_is_stopped_before_the_next_start(supervised, make_policy, sockdir,
+                                                                                  preloads, tmp_path):
+    """supervise SIGKILLed, then its engine: the armed standby keeps a copy of the service's socket and never
+    accepts.  The next supervise stops it (saying so) before it binds the port, and serves."""
+    policy = policy_with_standby(make_policy, sockdir)
+    start_preload(policy, preloads)
+    s = supervised(policy)
+    first = wait_for(lambda: (sb := standby(policy)) and sb["state"] == "prepared" and sb)
+    engine = s.status()["pid"]
+    os.kill(s.proc.pid, signal.SIGKILL)
+    os.kill(engine, signal.SIGKILL)
+    s.proc.wait(30)
+    assert first["pid"] in listeners(port_of(policy)) or standby(policy)["alive"]  # left behind
+    again = helpers.Supervised(policy, tmp_path)
+    try:
+        again.wait_note("READY=1")  # it bound the port and serves
+        assert gone(first["pid"])
+        st = again.status()
+        assert st["serving"] and st["pid"] != first["pid"], st
+    finally:
+        again.close()

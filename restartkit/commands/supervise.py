@@ -114,6 +114,8 @@ class Supervisor:
         preflight_writable(self.service.state_dir)
         self._only = self._one_supervisor()
         self.broker = None
+        from restartkit.commands.standby import stop_orphaned
+        stop_orphaned(self.service, self.say)  # before the port is bound: an orphaned standby holds it
         self._hold_listener()
         self.beat.step(self._lock_wait(), Heartbeat.STARTING)
         self.beat.start()
