@@ -243,3 +243,46 @@ def test_a_chat_template_is_sized_before_it_allocates(template):
     finally:
         tracemalloc.stop()
     assert e.value.param == "messages" and peak < 64 << 20, (str(e.value), peak)
+
+
+@pytest.mark.slow
+def test_five_thousand_idle_connections_leave_the_engine_answering(tmp_path):
+    """5,000 connections that send nothing: no thread each (threads stay bounded), a real client is still answered
+    in under a second, the idle ones are closed after the keep-alive time, and the memory they cost returns."""
+    import resource
+    from restartkit.reference.model.checkpoint import write_checkpoint
+    from restartkit.reference.serving.connections import KEEPALIVE_S
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 1 << 16), hard))
+    path = write_checkpoint(tmp_path / "tiny", "tiny")
+    proc, port = serve_reference(path, "--threads", "1", "--max-connections", "64")
+    idle = []
+    try:
+        answers_normally(port)
+        before = _threads_and_rss(proc.pid)
+        for _ in range(5000):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            idle.append(s)
+        t0 = time.monotonic()
+        answers_normally(port)
+        assert time.monotonic() - t0 < 1.0
+        during = _threads_and_rss(proc.pid)
+        assert during[0] <= before[0] + 8, (before, during)  # no thread per idle connection
+        time.sleep(KEEPALIVE_S + 2)
+        closed = sum(1 for s in idle if s.recv(1) == b"")  # the engine closed them
+        assert closed == len(idle)
+        after = _threads_and_rss(proc.pid)
+        assert after[1] <= before[1] + (64 << 20), (before, during, after)
+        answers_normally(port)
+    finally:
+        for s in idle:
+            s.close()
+        proc.terminate()
+        proc.wait(30)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _threads_and_rss(pid: int) -> tuple[int, int]:
+    status = open(f"/proc/{pid}/status").read()
+    field = {ln.split(":")[0]: ln.split(":")[1].split() for ln in status.splitlines()}
+    return int(field["Threads"][0]), int(field["VmRSS"][0]) * 1024

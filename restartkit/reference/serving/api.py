@@ -33,6 +33,7 @@ from restartkit.reference.log import log
 from restartkit.reference.serving.serving_completions import CompletionRoutes
 from restartkit.reference.serving.utility_routes import EngineMetrics, UtilityRoutes
 from restartkit.reference.serving import reuseport
+from restartkit.reference.serving.connections import KEEPALIVE_S, MAX_CONNECTIONS, REQUEST_READ_S, Bounded
 
 MAX_BODY = 1 << 20
 PROTECTED = ("/v1/", "/tokenize", "/detokenize")  # the routes an API key guards
@@ -55,7 +56,7 @@ def _check_text(obj) -> None:
             stack.extend(item)
 
 
-class EngineServer(ThreadingHTTPServer):
+class EngineServer(Bounded, ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     # socketserver's default of 5 drops the SYNs of a burst of new clients while the accept thread waits
@@ -75,6 +76,7 @@ class EngineServer(ThreadingHTTPServer):
             self.socket = sock
             self.server_address = sock.getsockname()[:2]
         self.state = engine_state
+        self.bound(getattr(engine_state, "max_connections", MAX_CONNECTIONS))
 
     def start(self) -> None:
         """Accept in a thread of its own."""
@@ -244,8 +246,9 @@ class Handler(CompletionRoutes, UtilityRoutes, BaseHTTPRequestHandler):
             return None
         try:
             raw = self.rfile.read(length) if length else b"{}"
-        except TimeoutError:
+        except (TimeoutError, OSError):  # a timeout, or cut at its deadline
             raw = b""
+        self.server.deadlines.set(self.connection, None)  # read whole: it is answered, however long that takes
         if len(raw) < length:  # the client stopped sending (or its read timed out): nothing more will come
             self.close_connection = True
             self._error(400, f"request body ended after {len(raw)} of {length} bytes (Content-Length)")
@@ -285,6 +288,21 @@ class Handler(CompletionRoutes, UtilityRoutes, BaseHTTPRequestHandler):
         if self.connection.gettimeout() is None:  # a client that stops sending mid-request frees its thread
             self.connection.settimeout(READ_TIMEOUT_S)
 
+    def handle_one_request(self):
+        """Each request: its first byte within KEEPALIVE_S (an idle keep-alive connection is closed), the rest
+        of it within REQUEST_READ_S (restartkit.reference.serving.connections)."""
+        deadlines = self.server.deadlines
+        deadlines.set(self.connection, KEEPALIVE_S)
+        try:
+            if not self.rfile.peek(1):
+                self.close_connection = True
+                return
+        except OSError:
+            self.close_connection = True
+            return
+        deadlines.set(self.connection, REQUEST_READ_S)
+        super().handle_one_request()
+
     # ---- routes -------------------------------------------------------------
     def _counted(self, handler) -> None:
         # From the parsed request to the last byte of its answer (an idle
@@ -309,6 +327,7 @@ class Handler(CompletionRoutes, UtilityRoutes, BaseHTTPRequestHandler):
         super().send_response(code, message)
 
     def do_GET(self):
+        self.server.deadlines.set(self.connection, None)  # no body to wait for
         self._counted(self._get)
 
     def do_POST(self):

@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="sequences decoded at once (KV-cache slots; each holds max-model-len tokens)")
     p.add_argument("--max-queued-seqs", type=_positive, default=256,
                    help="sequences waiting for a slot; a request that would queue more gets a 503 with Retry-After")
+    p.add_argument("--max-connections", type=_positive, default=1024,
+                   help="open client connections at once; more wait unaccepted in the listening socket's queue")
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--run-ahead", default="auto", choices=["auto", "on", "off"],
                    help="launch a greedy batch's next decode step before this one's tokens are read (auto: where "

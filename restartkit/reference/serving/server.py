@@ -36,6 +36,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.prepare_only:
         return serve_prepared(args)
     state = State(args.served_model_name or os.path.basename(os.path.normpath(args.model)), args.api_key)
+    state.max_connections = args.max_connections
     try:
         given = given_socket(args)
         # Bind first: a port in use is reported before minutes of loading.
@@ -124,6 +125,7 @@ def serve_prepared(args: argparse.Namespace) -> int:
     (SO_REUSEPORT).  Stop signals work at every step."""
     # long: the hand-over's steps in the order they happen, each with its deadline and its stop check
     state = State(args.served_model_name or os.path.basename(os.path.normpath(args.model)), args.api_key)
+    state.max_connections = args.max_connections
     state.prepared_mode = True
     given = given_socket(args)  # the service's socket: accepted on once promoted
     private = EngineServer(("127.0.0.1", 0), state)
@@ -227,6 +229,11 @@ def _read_exactly(fd: int, n: int, eof: str) -> None:
 
 
 def main(argv=None) -> int:
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # idle clients cost a descriptor each (not a thread)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 1 << 16) if hard != resource.RLIM_INFINITY else 1 << 16,
+                                                    hard))
     return serve(parse_args(argv))
 
 

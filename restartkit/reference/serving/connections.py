@@ -1,0 +1,143 @@
+"""The HTTP surface's connections, bounded: at most `max_connections` at once (the rest wait in the listening
+socket's queue, unaccepted, and no thread is made for them), a request read whole within REQUEST_READ_S of its
+first byte (a slow-loris client is cut, whatever its pace), and a keep-alive connection idle for KEEPALIVE_S closed.
+
+One thread (Deadlines) watches every connection's deadline and shuts the late ones down; the handler's thread
+then finds its socket closed and ends."""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+KEEPALIVE_S = 5.0  # between requests on one connection (uvicorn's default)
+REQUEST_READ_S = 30.0  # from a request's first byte to the end of its body
+MAX_CONNECTIONS = 1024
+
+
+class Deadlines:
+    """Connections with a time by which they must have sent what they owe, and the thread that cuts them."""
+
+    def __init__(self, every_s: float = 0.5):
+        self.every_s = every_s
+        self.lock = threading.Lock()
+        self.due: dict[socket.socket, float] = {}
+        self.cut = 0  # connections shut down for missing their deadline
+        self._thread: threading.Thread | None = None
+
+    def set(self, conn: socket.socket, seconds: float | None) -> None:
+        """`conn` must have sent its request within `seconds` (None: nothing owed now, it is being answered)."""
+        with self.lock:
+            if seconds is None:
+                self.due.pop(conn, None)
+            else:
+                self.due[conn] = time.monotonic() + seconds
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="http-deadlines", daemon=True)
+                self._thread.start()
+
+    def forget(self, conn: socket.socket) -> None:
+        with self.lock:
+            self.due.pop(conn, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.every_s)
+            now = time.monotonic()
+            with self.lock:
+                late = [c for c, t in self.due.items() if t <= now]
+                for c in late:
+                    del self.due[c]
+            for c in late:
+                self.cut += 1
+                try:
+                    c.shutdown(socket.SHUT_RDWR)  # its thread's read returns at once, and the thread ends
+                except OSError:
+                    pass
+
+
+class Bounded:
+    """Mixed into the HTTP server (before ThreadingHTTPServer): an accepted connection gets no thread until it
+    sends (Waiting holds the silent ones, closing those silent past KEEPALIVE_S), and at most max_connections
+    threads answer at once; a readable connection waits for a free one."""
+
+    def bound(self, max_connections: int) -> None:
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.deadlines = Deadlines()
+        self.waiting = Waiting(self)
+
+    def process_request(self, request, client_address):
+        self.waiting.add(request, client_address)
+
+    def dispatch(self, request, client_address) -> None:
+        """A connection that has sent something, with a slot held for it: its thread."""
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            self.shutdown_request(request)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.deadlines.forget(request)
+            self.slots.release()
+
+
+class Waiting:
+    """Accepted connections that have sent nothing yet, in one selector thread: a connection that becomes readable
+    goes to a thread as soon as a slot is free; one silent for KEEPALIVE_S is closed.  So idle connections cost a
+    file descriptor each, not a thread, and never stand before a client that sends."""
+
+    def __init__(self, server):
+        import selectors
+        self.server = server
+        self.selector = selectors.DefaultSelector()
+        self.lock = threading.Lock()
+        self.added: list = []
+        self.ready: list = []  # readable, waiting for a slot
+        self.closed = 0  # silent past KEEPALIVE_S
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self.selector.register(self._wake_r, selectors.EVENT_READ, None)
+        threading.Thread(target=self._run, name="http-waiting", daemon=True).start()
+
+    def add(self, conn, address) -> None:
+        with self.lock:
+            self.added.append((conn, address, time.monotonic() + KEEPALIVE_S))
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:  # the pipe is full: the thread is awake already
+            pass
+
+    def _run(self) -> None:
+        import selectors
+        while True:
+            for key, _ in self.selector.select(timeout=0.5 if not self.ready else 0.02):
+                if key.data is None:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except OSError:
+                        pass
+                    continue
+                self.selector.unregister(key.fileobj)
+                self.ready.append(key.data[:2])
+            with self.lock:
+                added, self.added = self.added, []
+            for conn, address, due in added:
+                try:
+                    self.selector.register(conn, selectors.EVENT_READ, (conn, address, due))
+                except (ValueError, OSError):  # closed meanwhile
+                    pass
+            while self.ready and self.server.slots.acquire(blocking=False):
+                self.server.dispatch(*self.ready.pop(0))
+            self._expire(time.monotonic())
+
+    def _expire(self, now: float) -> None:
+        late = [key for key in list(self.selector.get_map().values()) if key.data is not None and key.data[2] <= now]
+        for key in late:
+            self.selector.unregister(key.fileobj)
+            self.closed += 1
+            self.server.shutdown_request(key.data[0])
