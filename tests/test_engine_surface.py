@@ -73,6 +73,9 @@ def test_tokenize_detokenize_and_version(keyed):
     assert back.endswith("The quick brown fox")
     assert status(keyed, "/detokenize", {"tokens": [-1]}, KEY) == 400
     assert status(keyed, "/tokenize", {"prompt": "x", "model": "other"}, KEY) == 404
+    messages = [{"role": "user", "content": "hi"}]
+    assert status(keyed, "/tokenize", {"prompt": "x", "messages": messages}, KEY) == 400  # never one ignored
+    assert status(keyed, "/tokenize", {"messages": messages, "chat_template": "{{ 1 }}"}, KEY) == 400
     assert call(keyed, "/version")["version"]
 
 

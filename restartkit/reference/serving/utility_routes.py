@@ -97,6 +97,11 @@ class UtilityRoutes:
         if not self._serving() or self._wrong_model(body.get("model")):
             return
         try:
+            if "messages" in body and "prompt" in body:
+                raise BadRequest("give prompt or messages, not both", "prompt")
+            if body.get("chat_template") is not None:  # only the model's own template is rendered here
+                raise BadRequest("chat_template is not accepted: this engine renders the model's own template",
+                                 "chat_template")
             if "messages" in body:
                 ids = chat_ids(body, st.tokenizer, st.chat_template, st.special_tokens)
             else:
