@@ -297,6 +297,46 @@ SCHEMA: dict[str, dict[str, Key]] = {
 }
 
 
+# What the keys above without a doc of their own mean (docs/policy.md is generated from the schema: policydoc.py).
+MEANINGS = {
+    ("service", "host"): "address the engine serves on (0.0.0.0: every interface; plan warns beyond loopback)",
+    ("service", "port"): "TCP port the service answers on",
+    ("service", "device"): "where the engine computes",
+    ("service", "dtype"): "the weights' type in the engine (auto: the checkpoint's)",
+    ("service", "tensor_parallel_size"): "devices one model instance is split over (TP)",
+    ("service", "data_parallel_size"): "model replicas (DP), one weight-cache group each",
+    ("service", "pipeline_parallel_size"): "pipeline stages (PP): CRIU needs 1",
+    ("service", "expert_parallel"): "experts spread over the data-parallel ranks (EP)",
+    ("service", "max_model_len"): "longest sequence (prompt and answer) the engine takes",
+    ("restart", "start_timeout_s"): "how long a start may take before it failed",
+    ("restart", "stop_timeout_s"): "how long a stop waits after SIGTERM before SIGKILL",
+    ("restart", "canary_prompts"): "the fixed prompts whose greedy tokens must be identical before and after a restart",
+    ("restart", "canary_max_tokens"): "tokens generated for each canary prompt",
+    ("ipc", "mode"): "zero_copy: the engine maps the cache's memory; copy: it copies it (then it may sleep)",
+    ("ipc", "fallback"): "load from disk when the cache cannot serve (counted as a fallback), else fail",
+    ("ipc", "connect_timeout_s"): "how long the engine waits to reach its weight-cache daemon",
+    ("ipc", "state_timeout_s"): "how long the engine waits for the daemon to hold the weights",
+    ("ipc", "health_host"): "address of the weight cache's health endpoint",
+    ("ipc", "startup_timeout_s"): "how long `preload` waits for every local rank to hold the weights",
+    ("ipc", "data_parallel_start_rank"): "the first data-parallel rank on this node",
+    ("ipc", "nnodes"): "nodes the service spans (one launcher per node)",
+    ("ipc", "node_rank"): "this node's rank among them",
+    ("ipc", "master_addr"): "the address the nodes' weight caches and engines meet at",
+    ("ipc", "weight_cache_master_port"): "the port the weight caches of several ranks meet at",
+    ("ipc", "engine_master_port"): "the port the engine's ranks meet at (torch.distributed)",
+    ("criu", "keep"): "snapshots kept on disk (older ones pruned; suspect and damaged ones are kept)",
+    ("criu", "max_age_h"): "a snapshot older than this is stale: refresh takes a new one",
+    ("criu", "criu_path"): "the CRIU binary (default: /opt/restartkit/criu, then PATH)",
+    ("criu", "pid_wait_s"): "how long a restore waits for the snapshot's PIDs to be free",
+    ("criu", "restore_timeout_s"): "how long a restore may take before it is killed and the recovery runs",
+    ("supervise", "health_timeout_s"): "how long one /health may take",
+    ("supervise", "completion_timeout_s"): "how long the periodic real completion may take",
+    ("supervise", "backoff_max_s"): "the longest pause between failed starts",
+    ("sleep", "level"): "1: weights parked in host memory; 2: weights dropped and read again at wake",
+}
+for (_section, _key), _doc in MEANINGS.items():
+    SCHEMA[_section][_key] = Key(**{**SCHEMA[_section][_key].__dict__, "doc": _doc})
+
 # Keys that used to live elsewhere: the error says where they are now.
 MOVED = {"ipc": {"draft_model": "write it as [service] draft_model: the engine decodes with it, and the weight "
                                 "cache serves it in its own group"}}

@@ -365,5 +365,5 @@ def test_an_interpreter_under_a_private_tmp_is_refused(make_policy, monkeypatch,
         shutil.rmtree(outside, ignore_errors=True)
     monkeypatch.setattr(units, "interpreter_paths", lambda: ["/tmp/venv/bin/python3"])
     assert "under /tmp, which the unit's PrivateTmp=yes hides" in units.reach_problem(svc, None)
-    monkeypatch.setattr(units, "interpreter_paths", lambda: [sys.executable])
+    monkeypatch.setattr(units, "interpreter_paths", lambda: ["/usr/bin/python3"])
     assert units.reach_problem(svc, None) is None

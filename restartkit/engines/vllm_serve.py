@@ -100,6 +100,10 @@ class Admin:
                                     status_code=403)
             return None
 
+        # vLLM built its app (and Starlette its middleware stack) before these routes: the stack is made again,
+        # with this one in it, at the first request (none has come yet)
+        app.middleware_stack = None
+
         @app.middleware("http")
         async def keyed_dev_routes(request: Request, call_next):
             """vLLM's dev-mode routes (on only where restartkit needs sleep mode) answer restartkit's calls only."""
