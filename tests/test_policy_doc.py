@@ -18,3 +18,13 @@ def test_every_key_is_on_the_page_with_a_meaning():
         assert f"## [{section}]" in text
         for name, key in keys.items():
             assert f"| `{name}` |" in text and key.doc, (section, name)
+
+
+def test_the_readme_shows_the_demo_policy_whole_and_ci_runs_its_test_command():
+    root = PAGE.parent.parent
+    readme = (root / "README.md").read_text()
+    shown = readme.split("```toml\n", 1)[1].split("```", 1)[0]
+    assert shown == (root / "policies" / "demo.toml").read_text()
+    command = next(ln for ln in readme.splitlines() if "pytest" in ln and ln.startswith("bash scripts/setup"))
+    assert command.split("#")[0].strip() in (root / ".ci" / "run").read_text()
+    assert len(readme.splitlines()) <= 200
