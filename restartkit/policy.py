@@ -297,7 +297,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
 }
 
 
-# What the keys above without a doc of their own mean (docs/policy.md is generated from the schema: policydoc.py).
+# What the keys above without a doc of their own mean (docs/policy.md is generated from the schema: scripts/policydoc.py).
 MEANINGS = {
     ("service", "host"): "address the engine serves on (0.0.0.0: every interface; plan warns beyond loopback)",
     ("service", "port"): "TCP port the service answers on",

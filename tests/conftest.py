@@ -1,20 +1,10 @@
-import os
-import socket
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-RESTARTKIT = [sys.executable, "-m", "restartkit.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import free_port, run_cli
 
 
 @pytest.fixture(scope="session")
@@ -49,11 +39,6 @@ def make_policy(tmp_path, tiny_model):
     return make
 
 
-def run_cli(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([*RESTARTKIT, *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})}, cwd=ROOT)
-
-
 @pytest.fixture
 def service_cleanup():
     """Stop every engine a test started, whatever happens."""
@@ -61,16 +46,6 @@ def service_cleanup():
     yield policies.append
     for p in policies:
         run_cli("stop", "--policy", p)
-
-
-def prom_sample(text: str, name: str, **labels) -> float | None:
-    """The value of the sample `name` with exactly these labels in Prometheus text, or None."""
-    from prometheus_client.parser import text_string_to_metric_families
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and s.labels == labels:
-                return s.value
-    return None
 
 
 # ---- fixtures several files share (their helpers: tests/helpers.py) ---------------------------

@@ -21,7 +21,31 @@ import pytest
 from restartkit.commands.supervise import FIRST_START
 from restartkit.facts import CriuFacts, HostFacts, criu_facts
 from restartkit.strategies.base import BaseStrategy
-from tests.conftest import RESTARTKIT, ROOT, run_cli
+
+ROOT = Path(__file__).resolve().parent.parent
+RESTARTKIT = [sys.executable, "-m", "restartkit.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([*RESTARTKIT, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, cwd=ROOT)
+
+
+def prom_sample(text: str, name: str, **labels) -> float | None:
+    """The value of the sample `name` with exactly these labels in Prometheus text, or None."""
+    from prometheus_client.parser import text_string_to_metric_families
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and s.labels == labels:
+                return s.value
+    return None
+
 
 
 # ---- pure: facts and strategies built by hand ------------------------------------------------
@@ -278,7 +302,6 @@ def serve_reference(model, *extra, max_model_len: int = 256, log=None, env: dict
                     ) -> tuple[subprocess.Popen, int]:
     """A reference engine serving `model` on a free loopback port, once /health says ready: (process, port);
     `log`: a file for its output; `env`: added to its environment."""
-    from tests.conftest import free_port
     port = free_port()
     out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (the child holds it)
     proc = subprocess.Popen([sys.executable, "-m", "restartkit.reference.serving.server", "--model", str(model), "--port",

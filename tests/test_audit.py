@@ -4,7 +4,7 @@ commented-out flag, a TOML that is not a policy, longer variable names)."""
 import json
 
 from restartkit.audit import audit
-from tests.conftest import ROOT, run_cli
+from tests.helpers import ROOT, run_cli
 
 FIXTURE = ROOT / "tests" / "fixtures" / "deploy"
 

@@ -210,7 +210,7 @@ def test_every_strategy_keeps_its_canary_under_four_clients(make_policy, sockdir
     client request was answered, or met the restart (refused, or a 503 from an engine loading or stopping)."""
     import json as _json
 
-    from tests.conftest import run_cli
+    from tests.helpers import run_cli
     from tests.helpers import ipc_policy, start_preload
     cached = ipc_policy(make_policy, sockdir)
     cached.write_text(cached.read_text() + "\n[standby]\nenabled = true\n")

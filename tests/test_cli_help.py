@@ -4,7 +4,7 @@ import click
 
 from restartkit.cli import main
 from restartkit.contracts import STRATEGY_NAMES
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 
 def commands(group=main, path=()):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.conftest import prom_sample, run_cli
+from tests.helpers import prom_sample, run_cli
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from restartkit.engines.command import canary_tokens
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 
 def command_policy(make_policy, tiny_model, argv):

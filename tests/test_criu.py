@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from tests.conftest import RESTARTKIT, ROOT, run_cli
-from tests.helpers import CRIU, CRIU_MARKS, create, engines_on, snapshots_dir
+from tests.helpers import CRIU, CRIU_MARKS, RESTARTKIT, ROOT, create, engines_on, run_cli, snapshots_dir
 
 pytestmark = CRIU_MARKS
 

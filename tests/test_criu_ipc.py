@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from tests.conftest import RESTARTKIT, ROOT, run_cli
-from tests.helpers import CRIU, engines_on, ipc_policy, start_preload
+from tests.helpers import CRIU, RESTARTKIT, ROOT, engines_on, ipc_policy, run_cli, start_preload
 
 pytestmark = [
     pytest.mark.slow, pytest.mark.root,

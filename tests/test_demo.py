@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.conftest import free_port, run_cli
+from tests.helpers import free_port, run_cli
 
 
 @pytest.mark.slow

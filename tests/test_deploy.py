@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from restartkit.policy import parse_policy
-from tests.conftest import ROOT, run_cli
+from tests.helpers import ROOT, run_cli
 
 MANIFESTS = [ROOT / "docs" / "kubernetes.yaml", ROOT / "docs" / "kubernetes-criu.yaml"]
 TARGET = "1.33.0"

@@ -17,8 +17,7 @@ import pytest
 
 from restartkit.reference.model.config import InvalidConfig, ModelConfig
 from restartkit.reference.model.layout import model_dir_ok
-from tests.conftest import ROOT
-from tests.helpers import serve_reference
+from tests.helpers import ROOT, serve_reference
 
 TINY = {"vocab_size": 384, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import ROOT, free_port
+from tests.helpers import ROOT, free_port
 
 pytestmark = pytest.mark.slow
 

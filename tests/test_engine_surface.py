@@ -12,8 +12,7 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import ROOT, prom_sample, run_cli
-from tests.helpers import promtool_check, serve_reference
+from tests.helpers import ROOT, prom_sample, promtool_check, run_cli, serve_reference
 
 pytestmark = pytest.mark.slow
 KEY = "rk-test-7d0c1f2e9b"

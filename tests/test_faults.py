@@ -15,8 +15,7 @@ import time
 import pytest
 
 from restartkit.facts import criu_facts
-from tests.conftest import ROOT, RESTARTKIT, run_cli
-from tests.helpers import create, engines_on, snapshots_dir
+from tests.helpers import RESTARTKIT, ROOT, create, engines_on, run_cli, snapshots_dir
 
 CRIU = criu_facts()
 pytestmark = pytest.mark.slow

@@ -122,7 +122,7 @@ def test_served_through_the_openai_client_the_answers_are_transformers_before_an
     embedding only: the tied output projection is the same tensor), each with its canary identical."""
     import functools
     openai = pytest.importorskip("openai")
-    from tests.conftest import run_cli
+    from tests.helpers import run_cli
     from tests.helpers import ipc_policy, start_preload
     path = tmp_path / "their-llama"
     model = checkpoint(path, rope_theta=10000.0, tie_word_embeddings=True, bos=False)

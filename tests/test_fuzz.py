@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from restartkit.errors import PolicyError
 from restartkit.policy import SCHEMA, load_policy
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 EXAMPLES = int(os.environ.get("RESTARTKIT_FUZZ_EXAMPLES", "300"))
 

@@ -16,8 +16,7 @@ import tests.helpers as helpers
 
 from restartkit.clients import ClientLoad, summarize
 from restartkit.process.procfs import port_has_listener
-from tests.conftest import RESTARTKIT, ROOT, run_cli
-from tests.helpers import SUPERVISE_FAST, Supervised, ipc_policy, start_preload
+from tests.helpers import RESTARTKIT, ROOT, SUPERVISE_FAST, ipc_policy, run_cli, start_preload, Supervised
 
 pytestmark = pytest.mark.slow
 

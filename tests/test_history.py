@@ -12,8 +12,7 @@ from restartkit.contracts import Facts, ServiceFacts
 from restartkit.evidence import context, gather
 from restartkit.policy import parse_policy
 from restartkit.record import load_history, record_problem
-from tests.conftest import run_cli
-from tests.helpers import host
+from tests.helpers import host, run_cli
 
 GOOD = {"id": "a1", "service": "s", "requested": "auto", "reason": "restart", "started_at": 1000.0,
         "finished_at": 1002.0, "attempts": [{"strategy": "cold", "role": "primary", "ok": True, "proof": {}}],

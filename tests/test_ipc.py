@@ -12,8 +12,7 @@ import pytest
 from pathlib import Path
 
 from restartkit.reference.model.checkpoint import write_checkpoint
-from tests.conftest import ROOT, prom_sample, run_cli
-from tests.helpers import admin_stats, ipc_policy, start_preload
+from tests.helpers import ROOT, admin_stats, ipc_policy, prom_sample, run_cli, start_preload
 
 pytestmark = pytest.mark.slow
 
@@ -220,7 +219,7 @@ def test_copy_mode_detaches_after_copying(make_policy, sockdir, preloads, servic
 def test_health_reports_ready_then_degraded(make_policy, sockdir, preloads, tmp_path):
     import urllib.error
     import urllib.request
-    from tests.conftest import free_port
+    from tests.helpers import free_port
     port = free_port()
     policy = ipc_policy(make_policy, sockdir, service_extra="tensor_parallel_size = 2\n", ipc_extra=f"health_port = {port}\n")
     launcher = start_preload(policy, preloads)
@@ -291,7 +290,7 @@ def test_two_launchers_as_two_nodes_rendezvous_and_serve_one_engine(make_policy,
     rank 0 from one and rank 1 from the other."""
     import urllib.request
 
-    from tests.conftest import free_port
+    from tests.helpers import free_port
     policy = ipc_policy(make_policy, sockdir, service_extra="tensor_parallel_size = 2\n")
     store, health = free_port(), [free_port(), free_port()]
     procs = []

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from restartkit.process import keeper
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 
 def parent_of(pid: int) -> int:

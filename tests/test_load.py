@@ -13,8 +13,7 @@ import time
 import pytest
 
 from restartkit.facts import criu_facts
-from tests.conftest import run_cli
-from tests.helpers import ipc_policy, start_preload
+from tests.helpers import ipc_policy, run_cli, start_preload
 
 pytestmark = pytest.mark.slow
 CRIU = criu_facts()

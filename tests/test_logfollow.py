@@ -1,7 +1,6 @@
 """The engine's log followed into supervise's stderr (the journal under systemd): new lines only, a file
 replaced at the same path read from its start, a line written in two pieces printed once."""
 import io
-import time
 
 from restartkit.process.logfollow import LogFollower, wanted
 from tests.helpers import wait_for

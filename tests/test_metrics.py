@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port, prom_sample, run_cli
-from tests.helpers import promtool_check, tool
+from tests.helpers import free_port, prom_sample, promtool_check, run_cli, tool
 
 @pytest.fixture
 def textfile_dir():

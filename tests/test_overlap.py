@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import ROOT, free_port, run_cli
+from tests.helpers import ROOT, free_port, run_cli
 
 pytestmark = pytest.mark.slow
 

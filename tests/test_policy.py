@@ -4,7 +4,7 @@ import pytest
 from restartkit.commands.demo import DEFAULT_PORT, DEFAULT_WORKDIR, DEMO_POLICY
 from restartkit.errors import PolicyError
 from restartkit.policy import load_policy, parse_policy
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 BASE = {"service": {"name": "s", "model": "/m"}}
 
@@ -91,7 +91,7 @@ COMBINATIONS = [
 @pytest.mark.parametrize("extra,engine,service,words", COMBINATIONS)
 def test_policy_check_warns_about_a_strategy_the_policy_rules_out(tmp_path, tiny_model, extra, engine, service, words):
     import json
-    from tests.conftest import run_cli
+    from tests.helpers import run_cli
     p = tmp_path / "p.toml"
     p.write_text(FILE.format(engine=engine, service=service, model=tiny_model) + extra)
     r = run_cli("policy", "check", str(p), "--json")
@@ -114,7 +114,7 @@ def test_a_policy_without_conflicts_has_no_warnings(tmp_path):
 
 @pytest.mark.slow
 def test_preload_warns_too(make_policy, sockdir):
-    from tests.conftest import run_cli
+    from tests.helpers import run_cli
     from tests.helpers import ipc_policy
     policy = ipc_policy(make_policy, sockdir)
     policy.write_text(policy.read_text() + "\n[sleep]\nenabled = true\n")
@@ -137,7 +137,7 @@ def test_policy_check_refuses_what_start_would_refuse(tmp_path, tiny_model, make
     (No GPU on the machines that run this: a CUDA policy does not fit them.)"""
     import json
     from restartkit.process.lifecycle import gpu_visible
-    from tests.conftest import run_cli
+    from tests.helpers import run_cli
     if device == "cuda" and gpu_visible():
         pytest.skip("this host has a GPU")
     (tmp_path / "empty").mkdir()
@@ -168,7 +168,7 @@ def test_an_untrusted_textfile_dir_is_refused_and_a_planted_link_never_followed(
     import json
     import os
     from restartkit.record import write_textfile
-    from tests.conftest import run_cli
+    from tests.helpers import run_cli
     real, link, open_dir, sticky = (tmp_path / n for n in ("real", "link", "open", "sticky"))
     for d in (real, open_dir, sticky):
         d.mkdir()

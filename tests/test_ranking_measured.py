@@ -5,8 +5,7 @@ import os
 
 import pytest
 
-from tests.conftest import run_cli
-from tests.helpers import CRIU
+from tests.helpers import CRIU, run_cli
 
 
 def slow_criu(tmp_path, seconds: float):

@@ -148,7 +148,7 @@ def test_forward_matches_the_textbook_llama(tiny_model):
 
 
 def test_model_create_makes_the_parent_directories(tmp_path):
-    from tests.conftest import run_cli
+    from tests.helpers import run_cli
     out = tmp_path / "a" / "b" / "tiny"
     r = run_cli("model", "create", "--preset", "tiny", "--out", out)
     assert r.returncode == 0, r.stderr

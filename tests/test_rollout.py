@@ -6,8 +6,7 @@ import json
 import pytest
 
 from restartkit.engines.vllm import VLLMAdapter
-from tests.conftest import run_cli
-from tests.helpers import ipc_policy, needs_vllm, vllm_policy_for
+from tests.helpers import ipc_policy, needs_vllm, run_cli, vllm_policy_for
 
 
 def test_rollout_starts_the_cache_and_proves_it(make_policy, sockdir, service_cleanup):

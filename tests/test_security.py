@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, free_port, run_cli
+from tests.helpers import ROOT, free_port, run_cli
 
 pytestmark = pytest.mark.slow
 root_only = pytest.mark.skipif(os.getuid() != 0, reason="needs root (network namespaces, another uid)")

@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 
 from restartkit.reference.model.checkpoint import write_checkpoint
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 pytestmark = pytest.mark.slow
 

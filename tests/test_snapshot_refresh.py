@@ -4,8 +4,7 @@ import json
 import subprocess
 import sys
 
-from tests.conftest import ROOT, run_cli
-from tests.helpers import CRIU, CRIU_MARKS, create, prom_value
+from tests.helpers import CRIU, CRIU_MARKS, ROOT, create, prom_value, run_cli
 
 pytestmark = CRIU_MARKS
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from restartkit.snapshot.store import MANIFEST, SnapshotStore, manifest_problem
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 GOOD = {"created_at": 1000.0, "pid": 4242, "tree_pids": [4242, 4243], "identity": {"arch": "x86_64"},
         "canary": {"prompts": ["a"], "tokens": [[1, 2]]}, "kind": "full", "files": {}, "image_bytes": 10}

@@ -2,8 +2,7 @@
 serving engine, answering the canary, then gone; the engine never touched."""
 import json
 
-from tests.conftest import run_cli
-from tests.helpers import CRIU_MARKS, create, engines_on, snapshots_dir
+from tests.helpers import CRIU_MARKS, create, engines_on, run_cli, snapshots_dir
 
 pytestmark = CRIU_MARKS
 

@@ -8,7 +8,7 @@ import pytest
 
 from restartkit.reference.model.checkpoint import write_checkpoint
 from restartkit.reference.runtime.engine import Engine, EngineOptions
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 PROMPTS = [[256, 10, 20, 30, 40], [256, 1], [256, 99, 98, 97, 96, 95, 94, 93, 92]]
 

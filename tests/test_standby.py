@@ -13,9 +13,8 @@ import pytest
 import tests.helpers as helpers
 
 from restartkit.facts import criu_facts
-from tests.conftest import prom_sample, run_cli
+from tests.helpers import admin_stats, engines_on, gone, ipc_policy, prom_sample, run_cli, start_preload
 from restartkit.process.procfs import exited
-from tests.helpers import admin_stats, engines_on, gone, ipc_policy, start_preload
 
 pytestmark = pytest.mark.slow
 
@@ -310,7 +309,7 @@ def test_restartkit_killed_during_a_promotion_is_reconciled_by_the_next_command(
     killed restart meant the service to serve, starts it cold."""
     import subprocess
     import sys
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
     policy = serving_and_armed(make_policy, sockdir, preloads, service_cleanup, "never")
     sb = standby(policy)["pid"]
     old = json.loads(run_cli("status", "--policy", policy, "--json").stdout)["pid"]
@@ -361,7 +360,7 @@ def test_many_re_arms_leave_nothing_behind(make_policy, sockdir, preloads, servi
 def test_two_promotions_at_once_are_one_after_the_other(make_policy, sockdir, preloads, service_cleanup):
     import subprocess
     import sys
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
     policy = policy_with_standby(make_policy, sockdir)
     service_cleanup(policy)
     start_preload(policy, preloads)
@@ -416,7 +415,7 @@ def test_supervise_killed_during_a_crash_promotion_is_reconciled_by_the_next_com
 def test_standby_arm_on_a_state_dir_that_cannot_be_written_leaves_nothing_running(make_policy, sockdir, preloads,
                                                                                     service_cleanup, fault):
     import subprocess
-    from tests.conftest import RESTARTKIT, ROOT
+    from tests.helpers import RESTARTKIT, ROOT
     policy = policy_with_standby(make_policy, sockdir)
     service_cleanup(policy)
     start_preload(policy, preloads)
@@ -499,7 +498,7 @@ def test_a_canary_ahead_that_cannot_be_written_leaves_the_promotion_its_own(make
     root's rename over it fails): `standby arm` says so and still succeeds, the standby stays armed, and its
     promotion takes its canary on the service's port, identical."""
     import subprocess
-    from tests.conftest import RESTARTKIT, ROOT
+    from tests.helpers import RESTARTKIT, ROOT
     policy = policy_with_standby(make_policy, sockdir)
     policy.write_text(policy.read_text() + 'kv_ahead = "always"\n')
     service_cleanup(policy)

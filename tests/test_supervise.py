@@ -11,8 +11,7 @@ import time
 import pytest
 
 from restartkit.commands.sdnotify import Notifier
-from tests.conftest import run_cli
-from tests.helpers import engines_on, gone, ipc_policy, start_preload, wait_for
+from tests.helpers import engines_on, gone, ipc_policy, run_cli, start_preload, wait_for
 
 pytestmark = pytest.mark.slow
 

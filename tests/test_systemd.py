@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import RESTARTKIT, ROOT, run_cli
-from tests.helpers import engines_on
+from tests.helpers import RESTARTKIT, ROOT, engines_on, run_cli
 
 pytestmark = pytest.mark.slow
 

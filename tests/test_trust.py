@@ -9,7 +9,7 @@ import pytest
 
 from restartkit.guard.trust import trust_problem
 from restartkit.process.procfs import proc_start_ticks
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 pytestmark = pytest.mark.slow
 root_only = pytest.mark.skipif(os.getuid() != 0, reason="needs root (another uid's directories)")

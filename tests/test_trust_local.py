@@ -13,7 +13,7 @@ import pytest
 
 from restartkit.guard import admin
 from restartkit.process import listener
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 root_only = pytest.mark.skipif(os.getuid() != 0, reason="needs root (another uid)")
 ATTACK = """\

@@ -10,8 +10,7 @@ import pytest
 
 from restartkit.engines.vllm import VLLMAdapter, parse_ipc_log
 from restartkit.facts import criu_facts
-from tests.conftest import run_cli
-from tests.helpers import HAVE_VLLM, io_uring, needs_vllm, shm_left, vllm_policy_for
+from tests.helpers import HAVE_VLLM, io_uring, needs_vllm, run_cli, shm_left, vllm_policy_for
 
 @pytest.fixture
 def vllm_policy(make_policy, vllm_model, service_cleanup):

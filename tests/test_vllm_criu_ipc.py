@@ -5,8 +5,7 @@ import os
 
 import pytest
 
-from tests.conftest import run_cli
-from tests.helpers import CRIU, START_S, cache_policy, cli_json, io_uring, needs_vllm, shm_left, start_preload, strategy
+from tests.helpers import (CRIU, START_S, cache_policy, cli_json, io_uring, needs_vllm, run_cli, shm_left, start_preload, strategy)
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 

@@ -12,8 +12,7 @@ import pytest
 import tests.helpers as helpers
 
 from restartkit.clients import ClientLoad, summarize
-from tests.conftest import run_cli
-from tests.helpers import START_S, SUPERVISE_FAST, cache_policy, cli_json, needs_vllm, shm_left, start_preload, strategy
+from tests.helpers import (START_S, SUPERVISE_FAST, cache_policy, cli_json, needs_vllm, run_cli, shm_left, start_preload, strategy)
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 

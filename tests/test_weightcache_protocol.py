@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.helpers import ipc_policy, start_preload
+from tests.helpers import ROOT, ipc_policy, start_preload
 
 
 def _another_uid(make_policy, sockdir, preloads):

@@ -253,13 +253,22 @@ def stop_orphaned(service, say) -> None:
     """An armed standby left holding a copy of the service's socket with no engine serving and no supervisor
     (its supervisor killed right after a crash, before it promoted it): it never accepts, so clients queue and the
     port stays taken.  Stopped, and said, before anything else starts."""
-    from restartkit.commands.supervise import read_state
-    if service.current() is not None or read_state(service.state_dir) is not None:
+    if service.current() is not None or _supervised(service.state_dir):
         return  # an engine serves, or a supervisor owns the standby (it may be promoting it now)
     rec = state(service)
     if rec is not None and rec.get("alive") and (pid := disarm(service)) is not None:
         say(f"{service.policy.name}: stopped the standby (PID {pid}) left holding the service's socket with no "
             "engine serving (its supervisor died before it promoted it)")
+
+
+def _supervised(state_dir: Path) -> bool:
+    """A supervisor of this service runs (its supervisor.json names a live `restartkit supervise`)."""
+    from restartkit.process.procfs import holder_alive
+    try:
+        data = json.loads((state_dir / "supervisor.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and holder_alive(data)
 
 
 def _held_inode(service) -> int | None:

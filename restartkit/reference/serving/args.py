@@ -32,6 +32,16 @@ EXAMPLES = """examples:
   restartkit engine serve --model ./m --device cuda --dtype bfloat16 --max-num-seqs 32 --enable-sleep-mode"""
 
 
+def _bounds(p: argparse.ArgumentParser) -> None:
+    """How much the engine takes on at once: sequences decoded, sequences waiting, client connections."""
+    p.add_argument("--max-num-seqs", type=_positive, default=8,
+                   help="sequences decoded at once (KV-cache slots; each holds max-model-len tokens)")
+    p.add_argument("--max-queued-seqs", type=_positive, default=256,
+                   help="sequences waiting for a slot; a request that would queue more gets a 503 with Retry-After")
+    p.add_argument("--max-connections", type=_positive, default=1024,
+                   help="client connections answered at once; one that has sent nothing yet holds no thread")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="restartkit engine serve", description=DESCRIPTION, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -41,12 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=_positive, default=1024)
-    p.add_argument("--max-num-seqs", type=_positive, default=8,
-                   help="sequences decoded at once (KV-cache slots; each holds max-model-len tokens)")
-    p.add_argument("--max-queued-seqs", type=_positive, default=256,
-                   help="sequences waiting for a slot; a request that would queue more gets a 503 with Retry-After")
-    p.add_argument("--max-connections", type=_positive, default=1024,
-                   help="open client connections at once; more wait unaccepted in the listening socket's queue")
+    _bounds(p)
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--run-ahead", default="auto", choices=["auto", "on", "off"],
                    help="launch a greedy batch's next decode step before this one's tokens are read (auto: where "

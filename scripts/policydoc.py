@@ -1,6 +1,6 @@
 """docs/policy.md, generated from the policy schema (restartkit.policy.SCHEMA): every key with its type, default,
-allowed values and meaning.  `python -m restartkit.policydoc > docs/policy.md` writes it; a test fails when the page
-in the repository differs from what this prints."""
+allowed values and meaning.  `.venv/bin/python scripts/policydoc.py > docs/policy.md` writes it; a test
+(tests/test_policy_doc.py) fails when the page in the repository differs from what this prints."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ from restartkit.policy import SCHEMA
 
 HEAD = """# Policy keys
 
-<!-- Generated from restartkit/policy.py's SCHEMA by `python -m restartkit.policydoc > docs/policy.md`:
+<!-- Generated from restartkit/policy.py's SCHEMA by `python scripts/policydoc.py > docs/policy.md`:
      edit the schema, not this page (tests/test_policy_doc.py fails when they differ). -->
 
 One TOML file per service (examples in `policies/`).  Every key is optional but `[service] name` and `model`.
