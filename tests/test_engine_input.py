@@ -285,3 +285,50 @@ def _threads_and_rss(pid: int) -> tuple[int, int]:
     status = open(f"/proc/{pid}/status").read()
     field = {ln.split(":")[0]: ln.split(":")[1].split() for ln in status.splitlines()}
     return int(field["Threads"][0]), int(field["VmRSS"][0]) * 1024
+
+
+@pytest.mark.slow
+def test_a_slow_loris_is_cut_and_a_half_closed_client_is_answered(tmp_path):
+    """A client that sends its request a byte every second is cut once REQUEST_READ_S has passed since its first
+    byte, whatever its pace; one that half-closes after sending its whole request still gets its answer."""
+    from restartkit.reference.model.checkpoint import write_checkpoint
+    from restartkit.reference.serving.connections import REQUEST_READ_S
+    path = write_checkpoint(tmp_path / "tiny", "tiny")
+    proc, port = serve_reference(path, "--threads", "1")
+    try:
+        body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0}).encode()
+        request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+        half = socket.create_connection(("127.0.0.1", port), timeout=30)
+        half.sendall(request)
+        half.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := half.recv(65536):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200") and b'"token_ids"' in answer, answer[:300]
+        half.close()
+        slow = socket.create_connection(("127.0.0.1", port), timeout=5)
+        t0 = time.monotonic()
+        cut = None
+        for byte in request[:-1]:
+            try:
+                slow.sendall(bytes([byte]))
+                time.sleep(1.0)
+                slow.settimeout(0.01)
+                if slow.recv(1) == b"":
+                    cut = time.monotonic() - t0
+                    break
+            except TimeoutError:
+                continue
+            except OSError:
+                cut = time.monotonic() - t0
+                break
+            finally:
+                slow.settimeout(5)
+            if time.monotonic() - t0 > REQUEST_READ_S + 10:
+                break
+        assert cut is not None and REQUEST_READ_S - 1 <= cut <= REQUEST_READ_S + 5, cut
+        answers_normally(port)
+    finally:
+        proc.terminate()
+        proc.wait(30)
