@@ -219,6 +219,46 @@ def test_vllm_level_1_needs_host_memory_for_the_checkpoint(tmp_path):
 
 
 @needs_vllm
+@pytest.mark.slow
+def test_vllm_serve_from_the_projects_venv_answers_a_chat_on_a_fresh_preset(vllm_model):
+    """`vllm serve` as a user runs it from the project's venv (its engine core is spawned, importing the command
+    again), on a preset restartkit wrote: it starts, and answers a completion and a chat (the preset's template)."""
+    import subprocess
+    import sys
+    import urllib.request
+    from tests.helpers import free_port
+    port = free_port()
+    vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
+    proc = subprocess.Popen([vllm, "serve", str(vllm_model), "--port", str(port), "--dtype", "float32",
+                             "--max-model-len", "256", "--served-model-name", "small"],
+                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 4}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 4})):
+            req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps({"model": "small", **body})
+                                         .encode(), {"Content-Type": "application/json"})
+            out = json.loads(urllib.request.urlopen(req, timeout=120).read())
+            assert out["usage"]["completion_tokens"] >= 1, out
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait(30)
+
+
+@needs_vllm
 def test_the_vllm_command_runs_from_the_projects_venv():
     """scripts/setup's `vllm` (the distribution is vllm-cpu, whose stock command looked up "vllm" and died):
     its version and `vllm bench serve`, which docs/BENCHMARKS.md runs against both engines."""
