@@ -145,12 +145,8 @@ class Booted:
         return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
     def wait(self, what, timeout: float = 120, every: float = 0.5):
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if got := what():
-                return got
-            time.sleep(every)
-        raise AssertionError(f"not within {timeout} s: {what}")
+        from tests.helpers import wait_for
+        return wait_for(what, timeout, every)
 
     def write(self, path: str, text: str) -> None:
         p = self.root / path.lstrip("/")
