@@ -410,7 +410,7 @@ def supervise(policy_path, install_unit, unit_dir, watchdog_sec, unit_user):
       restartkit supervise --policy llm.toml --install-unit --watchdog-sec 60
       systemctl daemon-reload && systemctl enable --now restartkit-wc-llm restartkit-llm.socket restartkit-llm"""
     from restartkit.commands.supervise import Supervisor
-    from restartkit.commands.units import supervise_units
+    from restartkit.systemd.units import supervise_units
     svc = load(policy_path)
     if install_unit:
         sock, path = supervise_units(svc, unit_dir, watchdog_sec, unit_user)
@@ -419,7 +419,7 @@ def supervise(policy_path, install_unit, unit_dir, watchdog_sec, unit_user):
         click.echo(f"({sock.name} holds port {svc.policy.service['port']}: it stays open across every engine "
                    "restart and a restart of supervise itself)")
         if unit_user:
-            from restartkit.commands.units import state_root_for
+            from restartkit.systemd.units import state_root_for
             root = state_root_for(svc, unit_user)
             click.echo(f"run restartkit for this service as {unit_user}, on its state root (sudo -u {unit_user} "
                        f"restartkit status --state-dir {root} --policy {svc.policy.path})")
@@ -511,7 +511,7 @@ def preload(policy_path, detach, wait_ready, install_unit, unit_dir, unit_user, 
       restartkit preload --policy llm.toml --detach        # returns once every rank holds the weights
       restartkit preload --policy llm.toml --install-unit  # restartkit-wc-llm.service, before restartkit-llm"""
     if install_unit:
-        from restartkit.commands.units import weight_cache_unit
+        from restartkit.systemd.units import weight_cache_unit
         from restartkit.errors import UsageError
         if not policy_path:
             raise UsageError("--install-unit needs --policy: the unit runs the weight cache of a service")

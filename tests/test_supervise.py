@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from restartkit.commands.sdnotify import Notifier
+from restartkit.systemd.notify import Notifier
 from tests.helpers import engines_on, gone, ipc_policy, run_cli, start_preload, wait_for
 
 pytestmark = pytest.mark.slow

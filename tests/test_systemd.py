@@ -313,7 +313,7 @@ def test_a_stopped_supervise_lets_the_watchdog_fire(supervised):
 
 
 def test_the_heartbeat_stops_when_the_loop_overruns_its_step():
-    from restartkit.commands.sdnotify import Heartbeat, Notifier
+    from restartkit.systemd.notify import Heartbeat, Notifier
     now = [100.0]
     beat = Heartbeat(Notifier({"NOTIFY_SOCKET": "/nonexistent", "WATCHDOG_USEC": "4000000"}), clock=lambda: now[0])
     assert beat.period == 1.0
@@ -353,7 +353,7 @@ def test_snapshot_restore_without_a_snapshot_exits_3(make_policy, service_cleanu
 def test_an_interpreter_under_a_private_tmp_is_refused(make_policy, monkeypatch, tmp_path):
     """A venv under /tmp, hidden by the unit's PrivateTmp=yes (203/EXEC): refused at install, naming it.
     (The policy puts the weight cache's sockets outside /tmp, so the unit's /tmp is private.)"""
-    from restartkit.commands import units
+    from restartkit.systemd import units
     from restartkit.service import Service
     outside = Path(tempfile.mkdtemp(dir="/dev/shm"))  # state and sockets outside /tmp: the unit's /tmp is private
     try:

@@ -20,7 +20,7 @@ restart (reason `restart`; systemd's ExecReload).  systemd: with NOTIFY_SOCKET s
 first canary passed, STOPPING=1 the moment a SIGTERM lands, RELOADING=1 for a SIGHUP's restart and
 READY=1 after it, STATUS= after each change; with WATCHDOG_USEC, WATCHDOG=1 from a thread of its
 own every WatchdogSec/4 as long as the main loop keeps within its step's budget, and
-EXTEND_TIMEOUT_USEC while starting or stopping (restartkit.commands.sdnotify).  Another restartkit
+EXTEND_TIMEOUT_USEC while starting or stopping (restartkit.systemd.notify).  Another restartkit
 command may restart the engine meanwhile: its new engine is adopted (STATUS= names it), not
 treated as a crash.  State: supervisor.json in the state dir (`restartkit status` shows it).
 
@@ -45,7 +45,7 @@ from typing import Callable
 from restartkit.errors import EXIT_SERVING, UsageError
 from restartkit.files import write_json_atomic
 from restartkit.commands.reconcile import guarded
-from restartkit.commands.sdnotify import Heartbeat, Notifier
+from restartkit.systemd.notify import Heartbeat, Notifier
 from restartkit.guard.lock import BusyError, lock_holder
 from restartkit.guard.preflight import preflight_writable
 from restartkit.process.logfollow import LogFollower, wanted as log_wanted

@@ -246,7 +246,7 @@ def hardening(service, user: str | None) -> str:
         # caches of engines that compile (vLLM, torch inductor): a directory of the unit's own
         "CacheDirectory=restartkit", "Environment=XDG_CACHE_HOME=%C/restartkit",
     ]
-    return "# sandbox (restartkit.commands.units.hardening)\n" + "\n".join(lines) + "\n"
+    return "# sandbox (restartkit.systemd.units.hardening)\n" + "\n".join(lines) + "\n"
 
 
 def _state_directory(service, user: str | None) -> bool:
