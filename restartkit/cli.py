@@ -290,7 +290,7 @@ def stop(policy_path, wait_s, as_json):
         sup = stop_supervisor(svc.state_dir, r["stop_timeout_s"] + 30, say)
     except RuntimeError as e:
         raise EngineStartError(str(e), hint="look at the supervisor's log (journalctl -u restartkit-...), or kill it") from None
-    from restartkit.commands.standby import disarm
+    from restartkit.standby.armed import disarm
     with guarded(svc, "stop", wait_s, writes=False):  # what an operator reaches for on a full disk
         how = svc.engine.stop() if svc.current() is not None or sup is None else "stopped by its supervisor"
         if (sb := disarm(svc)) is not None:
@@ -320,7 +320,7 @@ def status(policy_path, as_json):
     from restartkit.commands.supervise import read_state
     last = read_history(svc.state_dir, last=1)
     sup = read_state(svc.state_dir)
-    from restartkit.commands.standby import state as standby_state
+    from restartkit.standby.armed import state as standby_state
     sb = standby_state(svc)
     data = {"service": svc.policy.name, "running": proc is not None, "pid": proc.pid if proc else None,
             "serving": ready, "last_restart": last[0] if last else None, "state_dir": str(svc.state_dir),
@@ -564,7 +564,7 @@ def standby_arm(policy_path, wait_s, as_json):
     \b
     Examples:
       restartkit standby arm --policy llm.toml"""
-    from restartkit.commands.standby import arm_prepared
+    from restartkit.standby.armed import arm_prepared
     svc = load(policy_path)
     with guarded(svc, "standby arm", wait_s):
         st = arm_prepared(svc, say)
@@ -583,7 +583,7 @@ def standby_status(policy_path, as_json):
     \b
     Examples:
       restartkit standby status --policy llm.toml --json"""
-    from restartkit.commands.standby import frozen, stale, state
+    from restartkit.standby.armed import frozen, stale, state
     svc = load(policy_path)
     st = state(svc)
     if st is not None and st["state"] == "prepared":
@@ -606,7 +606,7 @@ def standby_disarm(policy_path, wait_s):
     \b
     Examples:
       restartkit standby disarm --policy llm.toml"""
-    from restartkit.commands.standby import disarm
+    from restartkit.standby.armed import disarm
     svc = load(policy_path)
     with guarded(svc, "standby disarm", wait_s):
         pid = disarm(svc)

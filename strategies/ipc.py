@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from restartkit.contracts import Facts, Outcome, Plan
 from restartkit.strategies.base import BaseStrategy, adapter_available, model_loadable
-from restartkit.strategies.ipc_overlap import draft_proof, overlapped_ipc
+from restartkit.standby.prepared import draft_proof
+from restartkit.strategies.ipc_overlap import overlapped_ipc
 
 
 def _ipc(facts: Facts) -> dict:

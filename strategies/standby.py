@@ -1,4 +1,4 @@
-"""standby: promote the armed standby engine (restartkit.commands.standby).  Everything but its
+"""standby: promote the armed standby engine (restartkit.standby.armed).  Everything but its
 activation was paid for ahead: the old engine stops (a planned restart; after a crash it is gone
 already), then the standby allocates its KV cache, captures its graph, answers one canary prompt
 on its private port and takes the service's port.  Proof: its weight-cache hit and the canary.
@@ -12,7 +12,7 @@ import time
 
 from restartkit.contracts import Facts, Outcome, Plan
 from restartkit.strategies.base import BaseStrategy, adapter_available, model_loadable
-from restartkit.strategies.ipc_overlap import _activate, _canary_at, _took_over, _wait_state
+from restartkit.standby.prepared import activate, canary_at, took_over, wait_state
 
 
 def _sb(facts: Facts) -> dict:
@@ -24,7 +24,7 @@ def enabled(facts: Facts, policy) -> str | None:
 
 
 def engine_can_stand_by(facts: Facts, policy) -> str | None:
-    from restartkit.commands.standby import cannot_stand_by
+    from restartkit.standby.armed import cannot_stand_by
     return cannot_stand_by(policy)
 
 
@@ -54,14 +54,14 @@ class StandbyStrategy(BaseStrategy):
     prerequisites = [adapter_available, model_loadable, enabled, engine_can_stand_by, reason_fits, armed]
 
     def gather(self, service, facts: Facts) -> dict:
-        from restartkit.commands.standby import frozen, stale, state
+        from restartkit.standby.armed import frozen, stale, state
         rec = state(service)
         live = rec is not None and rec["alive"]
         return {"standby": rec, "stale": stale(service, rec) if live else None,
                 "frozen": frozen(rec) if live and rec["state"] == "prepared" else None}
 
     def execute(self, service, facts: Facts, plan: Plan) -> Outcome:
-        from restartkit.commands.standby import process
+        from restartkit.standby.armed import process
         rec = _sb(facts)["standby"]
         new = process(service, rec)
         status = service.state_dir / "standby-status.json"
@@ -108,17 +108,17 @@ class StandbyStrategy(BaseStrategy):
     def _promote(self, service, new, status, out: Outcome, old, beside: bool, t0: float, t1: float,
                  rec: dict) -> Outcome:
         """SIGUSR1 (activate, unless done ahead), the canary on its private port, SIGUSR2 (the public port)."""
-        from restartkit.commands.standby import canary_of, consumed
+        from restartkit.standby.armed import canary_of, consumed
         pol, phases = service.policy, out.phases
         try:
-            private, stats = _activate(service, new, status, out, old, pol.standby["promote_timeout_s"])
+            private, stats = activate(service, new, status, out, old, pol.standby["promote_timeout_s"])
             phases["activate"] = round(time.monotonic() - t1, 4)
             # beside the old engine, the whole canary before it takes the port; else nothing serves meanwhile: one
             # token shows it computes, and the whole canary is compared once it serves (the restart's proof)
-            out.proof["new_engine_canary"] = (_canary_at(service, private) if beside
-                                              else _canary_at(service, private, first_only=True, max_tokens=1))
+            out.proof["new_engine_canary"] = (canary_at(service, private) if beside
+                                              else canary_at(service, private, first_only=True, max_tokens=1))
             os.kill(new.pid, signal.SIGUSR2)
-            _wait_state(status, new, "ready", pol.standby["promote_timeout_s"])
+            wait_state(status, new, "ready", pol.standby["promote_timeout_s"])
         except Exception as e:
             if beside:  # the old engine was not touched: it keeps serving
                 new.stop(timeout_s=5)
@@ -151,4 +151,4 @@ class StandbyStrategy(BaseStrategy):
             t2 = time.monotonic()
             out.proof["old_stop"] = service.engine.stop()  # SIGTERM: it finishes what it answers, closes its listener
             phases["stop_old"] = round(time.monotonic() - t2, 4)
-        return _took_over(service, new, "standby", stats, out, t0)
+        return took_over(service, new, "standby", stats, out, t0)

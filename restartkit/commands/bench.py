@@ -71,7 +71,7 @@ def _armed(service: Service, say) -> None:
     """A standby prepared before a standby run: a promotion uses it up, and nothing but supervise arms the
     next one, so each run of a standby bench arms its own (arming is not part of a restart's time: doing it
     ahead is what a standby is for).  One that cannot be armed leaves the run to say why it fell back."""
-    from restartkit.commands.standby import arm_prepared, state
+    from restartkit.standby.armed import arm_prepared, state
     from restartkit.errors import RestartkitError
     if (state(service) or {}).get("state") == "prepared":
         return

@@ -161,7 +161,7 @@ def _crash_under_supervise(root: Path, workdir: str, port: int, state_root: str,
     import time
 
     from restartkit.clients import ClientLoad, summarize
-    from restartkit.commands.standby import state as standby_state
+    from restartkit.standby.armed import state as standby_state
     from restartkit.record import read_history
     from restartkit.service import Service
 

@@ -206,7 +206,7 @@ def guarded(service, command: str, wait_s: float = 0.0, say: Callable[[str], Non
     with service_lock(service.state_dir, service.policy.name, command, wait_s, say):
         with (deferred_signals(say, f"`restartkit {command}`") if defer_signals else contextlib.nullcontext([])) as got:
             reconcile(service, say, stopping=command.endswith("stop"))
-            from restartkit.commands.standby import stop_orphaned
+            from restartkit.standby.armed import stop_orphaned
             stop_orphaned(service, say)
             service.intent.begin(command, was_serving=service.current() is not None)
             if defer_signals:  # else the caller's own (supervise's) list stays

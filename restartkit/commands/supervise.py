@@ -114,7 +114,7 @@ class Supervisor:
         preflight_writable(self.service.state_dir)
         self._only = self._one_supervisor()
         self.broker = None
-        from restartkit.commands.standby import stop_orphaned
+        from restartkit.standby.armed import stop_orphaned
         stop_orphaned(self.service, self.say)  # before the port is bound: an orphaned standby holds it
         self._hold_listener()
         self.beat.step(self._lock_wait(), Heartbeat.STARTING)
@@ -506,8 +506,8 @@ class Supervisor:
         """[standby] enabled: keep one armed.  One that is gone, failed or stale is replaced (not more
         than every few seconds: one that keeps failing does not take the engine's CPUs); the time the
         service was without a prepared standby is measured (`rearm_s`)."""
-        from restartkit.commands.standby import arm, consumed, disarm, frozen, stale, state
-        from restartkit.commands.standby import cannot_stand_by
+        from restartkit.standby.armed import arm, consumed, disarm, frozen, stale, state
+        from restartkit.standby.armed import cannot_stand_by
         svc, sb = self.service, self.standby
         if not svc.policy.standby["enabled"] or svc.engine.degraded:
             return
@@ -550,7 +550,7 @@ class Supervisor:
 
     def _canary_ahead(self) -> None:
         """The armed standby answers the canary ahead (commands.standby.canary_ahead), under the lock."""
-        from restartkit.commands.standby import canary_ahead
+        from restartkit.standby.armed import canary_ahead
         try:
             with guarded(self.service, "supervise standby", 0.0, lambda _m: None, defer_signals=False):
                 canary_ahead(self.service)
@@ -568,7 +568,7 @@ class Supervisor:
             pass  # metrics never stop supervision
 
     def _stop(self, why: str) -> int:
-        from restartkit.commands.standby import disarm
+        from restartkit.standby.armed import disarm
         svc = self.service
         self.beat.step(svc.policy.restart["stop_timeout_s"] + 30, Heartbeat.STOPPING)
         self.notify.send("STOPPING=1", f"STATUS=stopping ({why})")
@@ -581,7 +581,7 @@ class Supervisor:
         return EXIT_SERVING
 
     def _give_up(self, why: str) -> int:
-        from restartkit.commands.standby import disarm
+        from restartkit.standby.armed import disarm
         svc = self.service
         try:
             with self._guarded("supervise stop"):

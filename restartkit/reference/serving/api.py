@@ -129,6 +129,9 @@ class EngineServer(Bounded, ThreadingHTTPServer):
             except OSError:  # BlockingIOError: the queue is empty
                 break
             conn.settimeout(self.QUEUED_IDLE_S)
+            if not self.slots.acquire(timeout=self.QUEUED_IDLE_S):  # every thread busy past that: not answered
+                self.shutdown_request(conn)
+                continue
             t = threading.Thread(target=self.process_request_thread, args=(conn, addr), daemon=True)
             t.start()
             threads.append(t)

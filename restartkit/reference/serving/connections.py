@@ -16,6 +16,13 @@ REQUEST_READ_S = 30.0  # from a request's first byte to the end of its body
 MAX_CONNECTIONS = 1024
 
 
+def quiet_signals() -> None:
+    """This thread takes no stop signal: the engine's main thread takes them (with sigtimedwait)."""
+    import signal
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1,
+                                              signal.SIGUSR2})
+
+
 class Deadlines:
     """Connections with a time by which they must have sent what they owe, and the thread that cuts them."""
 
@@ -42,6 +49,7 @@ class Deadlines:
             self.due.pop(conn, None)
 
     def _run(self) -> None:
+        quiet_signals()
         while True:
             time.sleep(self.every_s)
             now = time.monotonic()
@@ -102,11 +110,15 @@ class Waiting:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self.selector.register(self._wake_r, selectors.EVENT_READ, None)
-        threading.Thread(target=self._run, name="http-waiting", daemon=True).start()
+        self._thread: threading.Thread | None = None
 
     def add(self, conn, address) -> None:
         with self.lock:
             self.added.append((conn, address, time.monotonic() + KEEPALIVE_S))
+            if self._thread is None:  # made by the accepting thread, so with its signal mask (the engine takes
+                # its stop signals in its main thread alone: a thread made earlier would die of a SIGTERM)
+                self._thread = threading.Thread(target=self._run, name="http-waiting", daemon=True)
+                self._thread.start()
         try:
             os.write(self._wake_w, b"x")
         except OSError:  # the pipe is full: the thread is awake already
@@ -114,6 +126,7 @@ class Waiting:
 
     def _run(self) -> None:
         import selectors
+        quiet_signals()
         while True:
             for key, _ in self.selector.select(timeout=0.5 if not self.ready else 0.02):
                 if key.data is None:

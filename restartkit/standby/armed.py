@@ -255,8 +255,11 @@ def stop_orphaned(service, say) -> None:
     port stays taken.  Stopped, and said, before anything else starts."""
     if service.current() is not None or _supervised(service.state_dir):
         return  # an engine serves, or a supervisor owns the standby (it may be promoting it now)
+    from restartkit.process.procfs import listeners
     rec = state(service)
-    if rec is not None and rec.get("alive") and (pid := disarm(service)) is not None:
+    if rec is None or not rec.get("alive") or rec["pid"] not in listeners(service.policy.service["port"]):
+        return  # armed without the service's socket (by `standby arm`): a crash restart by hand promotes it
+    if (pid := disarm(service)) is not None:
         say(f"{service.policy.name}: stopped the standby (PID {pid}) left holding the service's socket with no "
             "engine serving (its supervisor died before it promoted it)")
 
