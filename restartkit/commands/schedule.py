@@ -93,7 +93,7 @@ def parsed_check(text: str) -> str | None:
         parse(text)
         return None
     except ScheduleError as e:
-        return f"{text!r} is not a systemd calendar expression: {e} ({EXAMPLES})"
+        return f"{_cut(text)} is not a systemd calendar expression: {e} ({EXAMPLES})"
 
 
 def systemd_check(text: str):
@@ -107,8 +107,13 @@ def systemd_check(text: str):
         return UNASKED
     if r.returncode == 0:
         return None
-    said = " ".join((r.stderr or r.stdout).strip().splitlines()[-1:])[:200]
-    return f"{text!r} is not a systemd calendar expression: systemd-analyze calendar says {said!r} ({EXAMPLES})"
+    said = " ".join((r.stderr or r.stdout).strip().splitlines()[-1:]).replace(text, "it")[:120]
+    return f"{_cut(text)} is not a systemd calendar expression: systemd-analyze calendar says {said!r} ({EXAMPLES})"
+
+
+def _cut(text: str) -> str:
+    """The expression for a message: its repr, at most 60 characters of it."""
+    return repr(text) if len(text) <= 60 else repr(text[:60]) + f"... ({len(text)} characters)"
 
 
 def period_s(text: str) -> float | None:

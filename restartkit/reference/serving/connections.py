@@ -107,9 +107,9 @@ class Waiting:
         self.added: list = []
         self.ready: list = []  # readable, waiting for a slot
         self.closed = 0  # silent past KEEPALIVE_S
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        self.selector.register(self._wake_r, selectors.EVENT_READ, None)
+        # an eventfd, not a pipe: nothing of it can point outside the process (a CRIU image holds it whole)
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.selector.register(self._wake, selectors.EVENT_READ, None)
         self._thread: threading.Thread | None = None
 
     def add(self, conn, address) -> None:
@@ -119,10 +119,7 @@ class Waiting:
                 # its stop signals in its main thread alone: a thread made earlier would die of a SIGTERM)
                 self._thread = threading.Thread(target=self._run, name="http-waiting", daemon=True)
                 self._thread.start()
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:  # the pipe is full: the thread is awake already
-            pass
+        os.eventfd_write(self._wake, 1)
 
     def _run(self) -> None:
         import selectors
@@ -131,8 +128,8 @@ class Waiting:
             for key, _ in self.selector.select(timeout=0.5 if not self.ready else 0.02):
                 if key.data is None:
                     try:
-                        os.read(self._wake_r, 4096)
-                    except OSError:
+                        os.eventfd_read(self._wake)
+                    except BlockingIOError:
                         pass
                     continue
                 self.selector.unregister(key.fileobj)
