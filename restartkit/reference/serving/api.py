@@ -118,6 +118,9 @@ class EngineServer(Bounded, ThreadingHTTPServer):
         kernel hands it over (net.ipv4.tcp_migrate_req = 1)."""
         self.state.stopping = True
         self.halt()
+        end = time.monotonic() + 1.0  # connections accepted and sending reach a thread (and the drain) first
+        while not self.waiting.idle() and time.monotonic() < end:
+            time.sleep(0.01)
         threads = []
         if self.held:  # the service's socket: what is queued on it waits for the next engine, never reset
             self.server_close()

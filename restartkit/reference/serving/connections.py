@@ -76,6 +76,14 @@ class Bounded:
         self.waiting = Waiting(self)
 
     def process_request(self, request, client_address):
+        import select
+        if self.slots.acquire(blocking=False):  # it has sent already (the usual client): its thread at once
+            poll = select.poll()  # (select() cannot take a descriptor past 1023)
+            poll.register(request, select.POLLIN)
+            if poll.poll(0):
+                self.dispatch(request, client_address)
+                return
+            self.slots.release()
         self.waiting.add(request, client_address)
 
     def dispatch(self, request, client_address) -> None:
@@ -120,6 +128,11 @@ class Waiting:
                 self._thread = threading.Thread(target=self._run, name="http-waiting", daemon=True)
                 self._thread.start()
         os.eventfd_write(self._wake, 1)
+
+    def idle(self) -> bool:
+        """Nothing added or readable waits for a thread (a stopping engine lets these reach one first)."""
+        with self.lock:
+            return not self.added and not self.ready
 
     def _run(self) -> None:
         import selectors
