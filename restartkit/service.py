@@ -31,6 +31,7 @@ class Service:
         self.engine = EngineLifecycle(policy, self.adapter, self.adapter_problem, self.state_dir, self.seam,
                                       note_pids=lambda pids: self.intent.update(pids=pids))
         self.interrupts: list[int] = []  # termination signals deferred by the guarded command (restartkit.guard)
+        self.reconciled: dict | None = None  # what the guarded command's reconcile did (restartkit.commands.reconcile)
 
     @classmethod
     def from_policy_file(cls, path, state_root: str = "", seam: Seam | None = None) -> "Service":

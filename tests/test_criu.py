@@ -349,3 +349,65 @@ def test_a_criu_restart_beside_supervise_is_adopted_under_its_old_pid(make_polic
     assert [x["id"] for x in recs] == [rec["id"]], [(x["reason"], x["served_by"]) for x in recs]
     st = s.status()
     assert st["serving"] and st["pid"] == before and st["supervisor"]["failures_in_interval"] == 0, st
+
+
+def _traced(pid: int) -> bool:
+    try:
+        status = open(f"/proc/{pid}/status").read()
+    except OSError:
+        return False
+    return int(status.split("TracerPid:")[1].split()[0]) != 0
+
+
+@pytest.mark.parametrize("kill", ["command", "group"])
+def test_a_snapshot_create_killed_mid_dump_under_supervise_is_reconciled_without_a_restart(make_policy, supervised,
+                                                                                              kill):
+    """`restartkit snapshot create` SIGKILLed while CRIU holds the engine (alone: its CRIU finishes the dump; with
+    its process group: CRIU dies too) beside supervise: supervise reconciles at once (the held socket taken back,
+    a frozen tree let go), no client is refused, and the engine that serves is not replaced when it can serve
+    (it was, after 15.7 s, before); the next snapshot create works."""
+    from restartkit.clients import ClientLoad, summarize
+    policy = make_policy(extra="\n[criu]\npid_wait_s = 5.0\n")
+    text = policy.read_text().replace("[restart]\n", '[restart]\nstrategies = ["criu", "cold"]\n')
+    policy.write_text(text)
+    port = int(text.split("port = ")[1].split()[0])
+    s = supervised(policy)
+    engine = s.status()["pid"]
+    load = ClientLoad("127.0.0.1", port, "tiny", clients=2, max_tokens=2).start()
+    try:
+        made = subprocess.Popen([*RESTARTKIT, "snapshot", "create", "--policy", str(policy), "--wait", "60"], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        end = time.monotonic() + 60
+        while not _traced(engine) and made.poll() is None and time.monotonic() < end:
+            time.sleep(0.002)
+        assert made.poll() is None, "the dump ended before CRIU was seen on the engine"
+        killed = time.monotonic()
+        if kill == "group":
+            os.killpg(made.pid, signal.SIGKILL)
+        else:
+            made.kill()
+        made.wait(10)
+        state = snapshots_dir(policy).parent / "intent.json"
+        end = time.monotonic() + 60
+        while state.exists() and time.monotonic() < end:  # supervise reconciles what the command left
+            time.sleep(0.1)
+        assert not state.exists(), s.messages
+        reconciled_s = time.monotonic() - killed
+        time.sleep(2.0)
+    finally:
+        load.stop()
+    got = summarize(load.snapshot(), [killed], clients=2)
+    assert got["refused"] == 0 and got["http_5xx"] == 0, got
+    assert len({tuple(a) for a in load.answers}) == 1, got
+    now = s.status()
+    assert now["serving"], now
+    crashes = [r for r in s.records() if r["reason"] == "crash"]
+    if kill == "command" or now["pid"] == engine:  # it survived its CRIU: adopted, never replaced
+        assert now["pid"] == engine and crashes == [], (reconciled_s, crashes)
+        (rec,) = s.records()  # the interrupted command's own record, written by the reconcile
+        assert "was interrupted; reconciled" in rec["recovery_reason"], rec
+    else:  # CRIU killed inside it can leave it dead: then one crash restart, no more
+        assert len(crashes) == 1, s.records()
+    again = run_cli("snapshot", "create", "--policy", policy, "--wait", "60", "--json")
+    assert again.returncode == 0, again.stdout + again.stderr
+    print(f"reconciled {reconciled_s:.2f} s after the kill; {got}")

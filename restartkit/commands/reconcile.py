@@ -31,7 +31,8 @@ from restartkit.process.engine import EngineProcess
 from restartkit.process.lifecycle import ours
 from restartkit.process import keeper
 from restartkit.process.seam import Cut
-from restartkit.process.procfs import argv, kill_tree, listeners, owner, proc_start_ticks, proc_state, tree_pids
+from restartkit.process.procfs import (argv, comm, kill_tree, listeners, owner, proc_start_ticks, proc_state, tracer,
+                                       tree_pids)
 
 # commands after which the service was meant to serve
 SERVING_COMMANDS = {"restart", "start", "wake", "snapshot restore", "snapshot create", "snapshot refresh", "rollout",
@@ -65,6 +66,7 @@ def reconcile(service, say: Callable[[str], None], stopping: bool = False) -> di
     kept = recorded.pid if stopping and recorded is not None else None  # for the stop that follows
     # engines first; keepers (a restore's, an engine's) last: the keeper of an adopted engine stays with it
     for pid in sorted(found, key=lambda p: keeper.KEEPER in argv(p)):
+        _let_go_by_criu(pid, say, service.seam)
         _continue_if_stopped(pid, say, service.seam)
         if pid == kept:
             continue
@@ -111,6 +113,27 @@ def candidates(service, stale: dict) -> list[int]:
         if isinstance(pid, int) and pid not in out and ours(pid, since if isinstance(since, int) else None):
             out.append(pid)
     return out
+
+
+CRIU_LEFT_S = 60.0  # how long a CRIU the dead command left dumping may take to finish before it is killed
+
+
+def _let_go_by_criu(pid: int, say, seam) -> None:
+    """A dump whose restartkit was killed: its CRIU may still hold the tree (ptrace).  Left to finish
+    (it leaves the tree running, as the dump asked), within CRIU_LEFT_S; past that it is killed, which lets
+    the tree go too.  Until then nothing else touches the tree."""
+    tracers = {t for p in tree_pids(pid) if (t := tracer(p)) and "criu" in comm(t)}
+    if not tracers:
+        return
+    say(f"PID {pid}: CRIU (PID {', '.join(map(str, sorted(tracers)))}) still holds it, left by the interrupted "
+        "command; waiting for it to let go")
+    if not seam.wait_until(lambda: not any(os.path.exists(f"/proc/{t}") and "criu" in comm(t) for t in tracers),
+                           CRIU_LEFT_S):
+        for t in tracers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(t, signal.SIGKILL)
+        say(f"PID {pid}: killed CRIU after {CRIU_LEFT_S:.0f} s")
+        seam.wait_until(lambda: not any(tracer(p) in tracers for p in tree_pids(pid)), 5.0)
 
 
 def _continue_if_stopped(pid: int, say, seam) -> None:
@@ -205,7 +228,7 @@ def guarded(service, command: str, wait_s: float = 0.0, say: Callable[[str], Non
         preflight_writable(directory, what)
     with service_lock(service.state_dir, service.policy.name, command, wait_s, say):
         with (deferred_signals(say, f"`restartkit {command}`") if defer_signals else contextlib.nullcontext([])) as got:
-            reconcile(service, say, stopping=command.endswith("stop"))
+            service.reconciled = reconcile(service, say, stopping=command.endswith("stop"))
             from restartkit.standby.armed import stop_orphaned
             stop_orphaned(service, say)
             service.intent.begin(command, was_serving=service.current() is not None)

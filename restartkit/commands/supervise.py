@@ -249,6 +249,9 @@ class Supervisor:
             if not exited and self._busy(w.proc):  # another command is restarting it, or it is still starting
                 w.fresh()
                 return Phase.FINDING
+            if not exited and self._reconcile_stale():
+                w.fresh()
+                return Phase.FINDING
             if not exited:
                 self._keep_standby()
                 self._adopt(w.proc)
@@ -345,6 +348,16 @@ class Supervisor:
         since = holder.get("since") if isinstance(holder.get("since"), (int, float)) else time.time()
         return time.time() - since < self._lock_wait()
 
+    def _reconcile_stale(self) -> bool:
+        """A command killed halfway left its intent (its lock is free): reconciled now, as the next command would,
+        not after the engine it left misses its checks (one that gave up the held socket for a dump, or was left
+        frozen by CRIU, is taken back and adopted, not replaced)."""
+        if self.service.intent.read_stale() is None or lock_holder(self.service.state_dir) is not None:
+            return False
+        with self._guarded("supervise"):
+            pass
+        return True
+
     def _asleep(self, proc) -> bool:
         """Put to sleep through restartkit (`restartkit sleep`): not a hang; `restartkit wake` wakes it."""
         try:
@@ -404,7 +417,9 @@ class Supervisor:
             proc = self.service.current()
             # another engine: another PID, or the same PID started anew (a CRIU restore brings the old PID back)
             other = proc is not None and (proc.pid != pid or ticks is not None and proc.start_ticks != ticks)
-            if other and self.service.is_ready():
+            # or the same engine, taken back by the reconcile of a command killed halfway (a dump): it serves
+            fixed = proc is not None and (self.service.reconciled or {}).get("adopted") == proc.pid
+            if (other or fixed) and self.service.is_ready():
                 self.say(f"{self.service.policy.name}: PID {proc.pid} serves now (restarted by another command); "
                          "adopted")
                 self._save("serving")

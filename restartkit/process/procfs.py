@@ -101,6 +101,15 @@ def exited(pid: int) -> bool:
         return True
 
 
+def tracer(pid: int) -> int:
+    """The PID of the process tracing `pid` (ptrace: a debugger, CRIU while it dumps), 0 when none or gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return int(status.split("TracerPid:", 1)[1].split(None, 1)[0]) if "TracerPid:" in status else 0
+
+
 def comm(pid: int) -> str:
     """The process's command name, '?' when it is gone."""
     try:
