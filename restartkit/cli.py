@@ -329,15 +329,18 @@ def status(policy_path, as_json):
     if proc:
         text += f" (PID {proc.pid})"
     if last:
-        text += f"; last restart: {last[0]['final_state']} by {last[0]['served_by']}"
+        text += f"; last restart: {last[0]['final_state']}" + (f" by {last[0]['served_by']}" if last[0].get("served_by")
+                                                             else "")
     if sup:
         import time as _time
         text += (f"\nsupervised by PID {sup['pid']} (up {_time.time() - sup['started_at']:.0f} s; "
                  f"{sup['failures_in_interval']} failure(s) in the last {sup['interval_s']:.0f} s")
         if sup.get("restarts"):
             r = sup["restarts"][-1]
-            text += (f"; last restart ({r['reason']}): {r['final_state']} by {r['served_by']} in "
-                     f"{r['time_to_ready_s']} s, {r.get('noticed_to_serving_s')} s after it was noticed")
+            text += (f"; last restart ({r['reason']}): {r['final_state']}"
+                     + (f" by {r['served_by']} in {r['time_to_ready_s']} s" if r.get("served_by") else "")
+                     + (f", {r['noticed_to_serving_s']} s after it was noticed"
+                        if r.get("noticed_to_serving_s") is not None else ""))
         text += ")"
     if sb:
         text += f"\nstandby: PID {sb['pid']}, {sb['state']}" + (

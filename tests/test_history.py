@@ -117,3 +117,14 @@ def test_plan_history_and_status_survive_a_planted_history(make_policy):
     os.mkfifo(state / "history.jsonl")
     r = run_cli("plan", "--policy", policy, timeout=60)
     assert "history.jsonl not read: it is not a regular file" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_status_names_no_strategy_for_a_restart_that_served_none(make_policy):
+    """A failed restart served by nothing: `status` says failed, never "by None"."""
+    policy = make_policy()
+    state = policy.parent / "state" / "svc"
+    state.mkdir(parents=True)
+    write(state / "history.jsonl", [json.dumps({**GOOD, "final_state": "failed", "served_by": None})])
+    r = run_cli("status", "--policy", policy)
+    assert "last restart: failed" in r.stdout and "None" not in r.stdout, r.stdout + r.stderr

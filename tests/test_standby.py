@@ -708,3 +708,28 @@ def test_a_standby_orphaned_by_a_killed_supervise_is_stopped_before_the_next_sta
         assert st["serving"] and st["pid"] != first["pid"], st
     finally:
         again.close()
+
+
+def test_an_armed_standby_answers_every_admin_route_with_no_500(make_policy, sockdir, preloads, service_cleanup):
+    """Each admin route asked of an armed standby (on its private port, with restartkit's token): an answer or a
+    4xx naming why not, never a 500; and it still serves when promoted."""
+    from restartkit import http
+    from restartkit.guard import admin
+    policy = policy_with_standby(make_policy, sockdir)
+    armed = started_and_armed(policy, preloads, service_cleanup)
+    base = f"http://127.0.0.1:{standby(policy)['admin_port']}"
+    headers = admin.headers(policy.parent / "state" / "svc")
+    got = {}
+    for route in ("/admin/stats", "/admin/drop_kv_cache", "/admin/restore_kv_cache", "/admin/release_weights",
+                  "/admin/reattach_weights", "/admin/detach_listener", "/is_sleeping", "/sleep", "/wake_up"):
+        try:
+            if route in ("/admin/stats", "/is_sleeping"):
+                http.get(base + route, timeout=30, headers=headers)
+            else:
+                http.post(base + route, body={}, timeout=30, headers=headers)
+            got[route] = 200
+        except http.HTTPFailure as e:
+            got[route] = (e.status, e.message)
+    assert not [r for r, v in got.items() if isinstance(v, tuple) and (v[0] or 500) >= 500], got
+    r = run_cli("restart", "--policy", policy, "--strategy", "standby", "--strict", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["proof"]["canary_identical"], (armed, got, r.stdout, r.stderr)

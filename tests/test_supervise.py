@@ -292,3 +292,22 @@ def test_every_state_of_supervise_has_a_step_and_every_step_names_a_state():
     assert set(Supervisor.STEPS) == set(Phase) - {Phase.ENDED}
     for phase, step in Supervisor.STEPS.items():
         assert inspect.signature(step).return_annotation in ("Phase", Phase), (phase, step)
+
+
+def test_supervise_leaves_no_zombie_child(supervised):
+    """The keepers of engines that died (a crash, a restart) are collected: supervise holds no zombie child."""
+    from restartkit.process.procfs import proc_state
+    s = supervised()
+    engine = s.status()["pid"]
+    os.kill(engine, signal.SIGKILL)
+    s.wait_record(1)
+    assert run_cli("restart", "--policy", s.policy, "--strategy", "cold").returncode == 0
+
+    def zombies():
+        kids = [int(p) for p in open(f"/proc/{s.proc.pid}/task/{s.proc.pid}/children").read().split()]
+        return [p for p in kids if proc_state(p) == "Z"]
+    # a turn of its watch loop (a second at most here) collects a keeper whose engine ended
+    end = time.monotonic() + 10
+    while zombies() and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not zombies(), [(p, open(f"/proc/{p}/cmdline").read()) for p in zombies()]

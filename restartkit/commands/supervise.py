@@ -224,6 +224,7 @@ class Supervisor:
 
     def _finding(self, w: Watch) -> Phase:
         self.beat.step(self._probe_budget())
+        self.service.engine.reap()
         w.proc = self.service.current()
         if w.proc is None:  # gone between two looks (before its pidfd was open), or never came back
             what = f"the engine (PID {w.last_pid}) exited" if w.last_pid else "the engine is not running"

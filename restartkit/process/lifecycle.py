@@ -118,6 +118,7 @@ class EngineLifecycle:
         # engine last started or adopted is kept here instead.
         self.degraded = False
         self.last: EngineProcess | None = None
+        self.keepers: list = []  # the keepers started here (Popen): collected by reap() once they exit
         self.progress: Callable[[str], None] = lambda _m: None  # what a start is doing, as it happens (stderr)
         # The service's listening socket (restartkit.process.listener), when a long-lived process holds it:
         # every engine started here serves on it.  `hold`: this process is that holder (supervise), and
@@ -310,9 +311,15 @@ class EngineLifecycle:
             if ready_w is not None:
                 os.close(ready_w)
         self.note_pids([pid])
+        self.keepers.append(popen)
         return EngineProcess(pid=pid, create_time=create_time(pid), start_ticks=proc_start_ticks(pid),
                              log_path=self.log_path, popen=popen, kept=True, seam=self.seam, ready_fd=ready_r,
                              probe_after_signal=held is not None), log_offset
+
+    def reap(self) -> None:
+        """Collect the keepers started here whose engine has ended (a long-lived caller, supervise, would keep
+        each as a zombie until it next started a process).  poll(), not waitpid(-1): each Popen keeps its status."""
+        self.keepers = [p for p in self.keepers if p.poll() is None]
 
     def _open_log(self) -> int:
         """engine.log for appending (owner only: the engine's argv and output); degraded, our stderr."""

@@ -29,6 +29,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 from restartkit.guard.admin import ADMIN_HEADER, ADMIN_TOKEN_ENV
+
+# admin routes that act on the loaded model (its KV cache, its weights)
+ENGINE_ROUTES = ("/admin/drop_kv_cache", "/admin/release_weights", "/admin/reattach_weights", "/admin/restore_kv_cache")
 from restartkit.reference.log import log
 from restartkit.reference.serving.serving_completions import CompletionRoutes
 from restartkit.reference.serving.utility_routes import EngineMetrics, UtilityRoutes
@@ -394,6 +397,9 @@ class Handler(CompletionRoutes, UtilityRoutes, BaseHTTPRequestHandler):
                 self._sleep_or_wake(path, query)
             elif path.startswith("/admin/") and not self._admin_ok():
                 return
+            elif path in ENGINE_ROUTES and self.server.state.engine is None:  # a standby before its promotion
+                self._error(409, f"{path}: this engine has no model loaded yet (a prepared standby is given it "
+                                 "at its promotion)", "conflict")
             elif path == "/admin/detach_listener":
                 self._admin_detach()
             elif path == "/admin/drop_kv_cache":
