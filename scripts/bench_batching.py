@@ -29,7 +29,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from supervise_bench import ROOT, cli, print_verdicts  # noqa: E402
+from benchlib import ROOT, ask, print_verdicts  # noqa: E402
 
 from restartkit.clients import ClientLoad  # noqa: E402
 from restartkit.engines.reference import CPU_ENV  # noqa: E402
@@ -155,7 +155,7 @@ def main() -> int:
     model = work / preset
     if not (model / "config.json").exists():
         t0 = time.perf_counter()
-        cli("model", "create", "--preset", preset, "--out", model, "--device", a.device, check=True)
+        ask("model", "create", "--preset", preset, "--out", model, "--device", a.device, check=True)
         print(f"model {preset} written in {time.perf_counter() - t0:.0f} s", flush=True)
     proc = serve(model, a.device, a.port, a.max_num_seqs, work / "engine.log")
     try:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_ipc_bench import bench_setup, cli, drop_page_cache, engine_stats, restart, write_policy  # noqa: E402
+from benchlib import bench_setup, cli, drop_page_cache, engine_stats, restart, write_policy  # noqa: E402
 
 
 def read_bandwidth(path: Path) -> tuple[float, int]:

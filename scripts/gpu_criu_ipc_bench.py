@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_ipc_bench import cli, engine_stats, restart, teardown, write_policy  # noqa: E402
+from benchlib import cli, engine_stats, restart, teardown, write_policy  # noqa: E402
 
 T0 = time.monotonic()
 

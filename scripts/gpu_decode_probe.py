@@ -10,25 +10,12 @@ CUDA kernels (torch.profiler) and the weights' read floor at the device's measur
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import timed  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-
-def timed(fn, sync, n: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    sync()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
 
 
 def main() -> int:

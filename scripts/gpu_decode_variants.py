@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from gpu_decode_probe import timed  # noqa: E402  (median of n synchronized calls)
+from benchlib import timed  # noqa: E402  (median of n synchronized calls)
 
 
 def check(got, want) -> str:

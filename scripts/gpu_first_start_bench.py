@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from supervise_bench import ROOT, RK, answers, cli, print_verdicts, standby_prepared  # noqa: E402
+from benchlib import RK, ROOT, answers, ask, print_verdicts, standby_prepared  # noqa: E402
 
 
 class DeviceMemory(threading.Thread):
@@ -99,7 +99,7 @@ def timed_start(pol: Path, port: int, supervise: bool) -> tuple[float, int | Non
         sup = subprocess.Popen([*RK, "supervise", "--policy", str(pol)], stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, cwd=ROOT, start_new_session=True)
     else:
-        cli("start", "--policy", pol, check=True)
+        ask("start", "--policy", pol, check=True)
     while not answers(port):
         if sup is not None and sup.poll() is not None:
             raise RuntimeError(f"supervise exited {sup.returncode}")
@@ -146,21 +146,21 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     model = work / a.preset
     if not (model / "config.json").exists():
-        cli("model", "create", "--preset", a.preset, "--out", model, "--device", a.device, check=True)
+        ask("model", "create", "--preset", a.preset, "--out", model, "--device", a.device, check=True)
     pol = policy(work, model, a.device, a.port)
     result: dict = {"preset": a.preset, "device": a.device}
     sup = None
     try:
         base = result["base_mib"] = used_mib()
-        cli("preload", "--policy", pol, "--detach", check=True)
+        ask("preload", "--policy", pol, "--detach", check=True)
         cache = used_mib()
         result["cache_mib"] = None if cache is None or base is None else cache - base
         cold_s, cold_peak, _ = timed_start(pol, a.port, supervise=False)
         result["cold_start"] = {"to_answer_s": round(cold_s, 3), "peak_mib": cold_peak}
-        cli("stop", "--policy", pol, check=True)
+        ask("stop", "--policy", pol, check=True)
         time.sleep(2.0)
         first_s, first_peak, sup = timed_start(pol, a.port, supervise=True)
-        recs = json.loads(cli("history", "--policy", pol, "--json").stdout)["records"]
+        recs = json.loads(ask("history", "--policy", pol, "--json").stdout)["records"]
         first = next((r for r in recs if (r.get("trigger") or {}).get("what") == "the first start under supervise"), {})
         result["first_start"] = {"to_answer_s": round(first_s, 3), "peak_mib": first_peak,
                                  "served_by": first.get("served_by"), "recorded": bool(first),
@@ -171,8 +171,8 @@ def main() -> int:
         if sup is not None and sup.poll() is None:
             os.killpg(sup.pid, signal.SIGTERM)
             sup.wait(120)
-        cli("stop", "--policy", pol)
-        cli("weightcache", "release", "--policy", pol, "--stop", "--force")
+        ask("stop", "--policy", pol)
+        ask("weightcache", "release", "--policy", pol, "--stop", "--force")
     print(json.dumps(result, indent=1))
     f, c, kills = result["first_start"], result["cold_start"], result["standby_kills"]
     cache_mib = result.get("cache_mib")

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from supervise_bench import RK, ROOT, answers, cli, print_verdicts, standby_prepared  # noqa: E402
+from benchlib import RK, ROOT, answers, ask, print_verdicts, standby_prepared  # noqa: E402
 
 from restartkit.clients import ClientLoad, summarize  # noqa: E402
 
@@ -56,19 +56,19 @@ enabled = true
 
 
 def status(pol: Path) -> dict:
-    return json.loads(cli("status", "--policy", pol, "--json").stdout)
+    return json.loads(ask("status", "--policy", pol, "--json").stdout)
 
 
 def run(pol: Path, port: int, kills: int, clients: int, before_s: float, after_s: float) -> dict:
-    cli("weightcache", "release", "--policy", pol, "--stop", "--force")
-    cli("stop", "--policy", pol)
-    cli("preload", "--policy", pol, "--detach", check=True)
+    ask("weightcache", "release", "--policy", pol, "--stop", "--force")
+    ask("stop", "--policy", pol)
+    ask("preload", "--policy", pol, "--detach", check=True)
     sup = subprocess.Popen([*RK, "supervise", "--policy", str(pol)], stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, cwd=ROOT, start_new_session=True)
     try:
         while not answers(port):
             time.sleep(0.2)
-        cli("restart", "--policy", pol, "--strategy", "ipc", "--wait", "120", check=True)  # onto the cache
+        ask("restart", "--policy", pol, "--strategy", "ipc", "--wait", "120", check=True)  # onto the cache
         standby_prepared(pol)
         load = ClientLoad("127.0.0.1", port, None, clients=clients, max_tokens=4).start()
         kill_times, seen, served_by, kill_records = [], set(), [], []
@@ -118,7 +118,7 @@ def run(pol: Path, port: int, kills: int, clients: int, before_s: float, after_s
         if sup.poll() is None:
             os.killpg(sup.pid, signal.SIGTERM)
             sup.wait(120)
-        cli("weightcache", "release", "--policy", pol, "--stop", "--force")
+        ask("weightcache", "release", "--policy", pol, "--stop", "--force")
 
 
 def psutil_create_time(pid: int) -> float:
@@ -127,7 +127,7 @@ def psutil_create_time(pid: int) -> float:
 
 
 def last_record(pol: Path) -> dict:
-    return (json.loads(cli("history", "--policy", pol, "--last", "1", "--json").stdout)["records"] or [{}])[-1]
+    return (json.loads(ask("history", "--policy", pol, "--last", "1", "--json").stdout)["records"] or [{}])[-1]
 
 
 def main() -> int:
@@ -147,7 +147,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     model = Path(a.model) if a.model else work / a.preset
     if not (model / "config.json").exists():
-        cli("model", "create", "--preset", a.preset, "--out", model, "--device", a.device, check=True)
+        ask("model", "create", "--preset", a.preset, "--out", model, "--device", a.device, check=True)
     pol = write_policy(work, model, a.device, a.port)
     try:
         got = run(pol, a.port, a.kills, a.clients, a.before_s, a.after_s)

@@ -22,74 +22,14 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def cli(*args, check=True, timeout=900) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "restartkit.cli", *map(str, args)], capture_output=True, text=True,
-                       timeout=timeout, cwd=ROOT)
-    if check and r.returncode not in (0, 3):
-        raise RuntimeError(f"restartkit {' '.join(map(str, args))} -> {r.returncode}\n{r.stderr[-3000:]}")
-    return r
-
-
-def bench_setup(default_work: str, default_port: int, extra=lambda p: None):
-    """The arguments every single-service GPU script takes, and its work dirs and model
-    (created with `restartkit model create` unless --model names one)."""
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
-    p.add_argument("--work", default=default_work)
-    p.add_argument("--preset", default="8b-shape")
-    p.add_argument("--model", default=None, help="reuse a checkpoint directory")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--port", type=int, default=default_port)
-    extra(p)
-    args = p.parse_args()
-    out, work = Path(args.out), Path(args.work)
-    out.mkdir(parents=True, exist_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
-    model = Path(args.model) if args.model else work / "models" / args.preset
-    if not (model / "config.json").exists():
-        model.parent.mkdir(parents=True, exist_ok=True)
-        cli("model", "create", "--preset", args.preset, "--out", model, "--device", args.device)
-    return args, out, work, model
-
-
-def write_policy(work: Path, name: str, model: Path, device: str, port: int, tp: int = 1,
-                 restart: str = "", sections: str = "", service: str = "") -> Path:
-    """The policy every GPU script starts from (the reference engine, 4096 tokens, state under
-    `work`); `service` adds [service] keys, `restart` [restart] keys, `sections` whole sections."""
-    p = work / f"{name}.toml"
-    p.write_text(f"""
-[service]
-name = "{name}"
-model = "{model}"
-port = {port}
-device = "{device}"
-tensor_parallel_size = {tp}
-max_model_len = 4096
-state_dir = "{work / 'state'}"
-{service}[restart]
-start_timeout_s = 600
-{restart}{sections}""")
-    return p
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import cli, drop_page_cache, restart, write_policy  # noqa: E402
 
 
 def policy(work: Path, name: str, model: Path, device: str, tp: int, port: int, draft: Path | None = None) -> Path:
     return write_policy(work, name, model, device, port, tp, restart="stop_timeout_s = 60\ncanary_max_tokens = 16\n",
                         sections=f'[ipc]\nsocket_dir = "{work / "sockets"}"\nfallback = true\nstartup_timeout_s = 900\n',
                         service=f'draft_model = "{draft}"\n' if draft else "")
-
-
-def restart(pol: Path, strategy: str, *flags: str) -> dict:
-    rec = json.loads(cli("restart", "--policy", pol, "--strategy", strategy, *flags, "--json").stdout)
-    a = rec["attempts"][-1]
-    return {"strategy": strategy, "served_by": rec["served_by"], "via_recovery": rec["via_recovery"],
-            "recovery_reason": rec["recovery_reason"], "downtime": rec.get("downtime"),
-            "time_to_ready_s": rec["time_to_ready_s"], "phases": a.get("phases"), "engine_phases": a.get("engine_phases"),
-            "canary_identical": rec["proof"].get("canary_identical"), "ipc": (a.get("proof") or {}).get("ipc"),
-            "ranks": (a.get("proof") or {}).get("ranks"), "attach_s": (a.get("proof") or {}).get("attach_s"),
-            "draft": (a.get("proof") or {}).get("draft")}
 
 
 def process_floor(device: str) -> dict:
@@ -104,31 +44,8 @@ def process_floor(device: str) -> dict:
     return {"floor": round(done - t0, 4), "import": round(imported - t0, 4), "context": round(done - imported, 4)}
 
 
-def teardown(pol: Path, results: Path | None = None, res: dict | None = None) -> None:
-    """The end of every single-service GPU script: the engine and its weight cache stopped, the results written."""
-    cli("stop", "--policy", pol, check=False)
-    cli("weightcache", "release", "--policy", pol, "--stop", "--force", check=False)
-    if results is not None:
-        results.write_text(json.dumps(res, indent=2))
-
-
-def drop_page_cache() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def stats(pol: Path) -> dict:
     return json.loads(cli("status", "--policy", pol, "--json", check=False).stdout)
-
-
-def engine_stats(port: int) -> dict:
-    import urllib.request
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/stats", timeout=10) as r:
-        return json.loads(r.read())
 
 
 @contextlib.contextmanager

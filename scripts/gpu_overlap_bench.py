@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_ipc_bench import bench_setup, cli, teardown, write_policy  # noqa: E402
+from benchlib import bench_setup, cli, teardown, write_policy  # noqa: E402
 
 
 def main() -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_decode_probe import timed  # noqa: E402  (median of n synchronized calls)
+from benchlib import timed  # noqa: E402  (median of n synchronized calls)
 
 
 def main() -> int:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from supervise_bench import cli, print_verdicts  # noqa: E402
+from benchlib import ask, print_verdicts  # noqa: E402
 
 POLICY = """\
 [service]
@@ -49,7 +49,7 @@ keep = 1
 
 
 def bench(policy: Path, strategies: str, repeat: int, clients: int) -> dict:
-    r = cli("bench", "--policy", policy, "--strategies", strategies, "--repeat", repeat, "--clients", clients,
+    r = ask("bench", "--policy", policy, "--strategies", strategies, "--repeat", repeat, "--clients", clients,
             "--json", check=True)
     return json.loads(r.stdout)
 
@@ -67,7 +67,7 @@ def main() -> int:
     work = Path(a.work)
     model = work / preset
     if not (model / "config.json").exists():
-        cli("model", "create", "--preset", preset, "--out", model, "--device", a.device, check=True)
+        ask("model", "create", "--preset", preset, "--out", model, "--device", a.device, check=True)
     rows, verdicts = [], []
     zero = work / "zero_copy.toml"
     zero.write_text(POLICY.format(name="under-load", model=model, port=a.port, device=a.device, mode="zero_copy",
@@ -77,22 +77,22 @@ def main() -> int:
                                   extra="[sleep]\nenabled = true\nlevel = 1\n"))
     try:
         t0 = time.monotonic()
-        cli("preload", "--policy", zero, "--detach", check=True)
-        cli("start", "--policy", zero, check=True)
-        cli("restart", "--policy", zero, "--strategy", "ipc", check=True)  # a weights-less snapshot needs it
-        cli("snapshot", "create", "--policy", zero, check=True)
-        cli("standby", "arm", "--policy", zero, check=True)
+        ask("preload", "--policy", zero, "--detach", check=True)
+        ask("start", "--policy", zero, check=True)
+        ask("restart", "--policy", zero, "--strategy", "ipc", check=True)  # a weights-less snapshot needs it
+        ask("snapshot", "create", "--policy", zero, check=True)
+        ask("standby", "arm", "--policy", zero, check=True)
         print(f"cache, engine and weights-less snapshot in {time.monotonic() - t0:.0f} s", flush=True)
         rows += bench(zero, "standby,criu+ipc,ipc,cold", a.repeat, a.clients)["rows"]
-        cli("standby", "disarm", "--policy", zero)
-        cli("stop", "--policy", zero)
-        cli("start", "--policy", copy, check=True)
+        ask("standby", "disarm", "--policy", zero)
+        ask("stop", "--policy", zero)
+        ask("start", "--policy", copy, check=True)
         rows += bench(copy, "sleep", a.repeat, a.clients)["rows"]
     finally:
-        cli("standby", "disarm", "--policy", zero)
+        ask("standby", "disarm", "--policy", zero)
         for pol in (copy, zero):
-            cli("stop", "--policy", pol)
-        cli("weightcache", "release", "--policy", zero, "--stop", "--force")
+            ask("stop", "--policy", pol)
+        ask("weightcache", "release", "--policy", zero, "--stop", "--force")
     print(f"{'strategy':<10} {'clean':>5} {'ready (median s)':>17}  canary     clients")
     for row in rows:
         ready = row["time_to_ready_s"].get("median") if row["time_to_ready_s"] else None

@@ -27,14 +27,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from supervise_bench import ROOT, cli, gpu_mib, print_verdicts  # noqa: E402
+from benchlib import ROOT, ask, gpu_mib, print_verdicts  # noqa: E402
 
 
 def planned(work: Path, device: str, preset: str, repeat: int, kv_ahead: str, port: int, overlap: bool,
             tp: int = 1) -> list[dict]:
     model = work / preset
     if not (model / "config.json").exists():
-        cli("model", "create", "--preset", preset, "--out", model, "--device", device, check=True)
+        ask("model", "create", "--preset", preset, "--out", model, "--device", device, check=True)
     pol = work / "standby.toml"
     pol.write_text(f"""[service]
 name = "standby-bench"
@@ -57,14 +57,14 @@ kv_ahead = "{kv_ahead}"
 """)
     out = []
     try:
-        cli("preload", "--policy", pol, "--detach", check=True)
-        cli("start", "--policy", pol, check=True)
-        cli("restart", "--policy", pol, "--strategy", "ipc", check=True)
+        ask("preload", "--policy", pol, "--detach", check=True)
+        ask("start", "--policy", pol, check=True)
+        ask("restart", "--policy", pol, "--strategy", "ipc", check=True)
         for _ in range(repeat):
-            sb = json.loads(cli("standby", "arm", "--policy", pol, "--json", check=True).stdout)
+            sb = json.loads(ask("standby", "arm", "--policy", pol, "--json", check=True).stdout)
             time.sleep(2)  # an activated-ahead standby finishes its activation
             mib = gpu_mib(sb["pid"])
-            rec = json.loads(cli("restart", "--policy", pol, "--strategy", "standby", "--json",
+            rec = json.loads(ask("restart", "--policy", pol, "--strategy", "standby", "--json",
                                  *(["--measure-downtime"] if overlap else [])).stdout)
             att = rec["attempts"][-1]
             out.append({"served_by": rec["served_by"], "time_to_ready_s": rec["time_to_ready_s"],
@@ -74,8 +74,8 @@ kv_ahead = "{kv_ahead}"
                         "prepare_s": sb.get("prepare_s"), "beside": att.get("proof", {}).get("overlap"),
                         "downtime": rec.get("downtime")})
     finally:
-        cli("stop", "--policy", pol)
-        cli("weightcache", "release", "--policy", pol, "--stop", "--force")
+        ask("stop", "--policy", pol)
+        ask("weightcache", "release", "--policy", pol, "--stop", "--force")
     return out
 
 

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from supervise_bench import print_verdicts  # noqa: E402
+from benchlib import print_verdicts  # noqa: E402
 
 POLICY = """[service]
 name = "gpu-vllm-paths"

@@ -9,7 +9,7 @@ from restartkit.policy import SCHEMA
 
 HEAD = """# Policy keys
 
-<!-- Generated from restartkit/policy.py's SCHEMA by `python scripts/policydoc.py > docs/policy.md`:
+<!-- Generated from restartkit/policy/__init__.py's SCHEMA by `python scripts/policydoc.py > docs/policy.md`:
      edit the schema, not this page (tests/test_policy_doc.py fails when they differ). -->
 
 One TOML file per service (examples in `policies/`).  Every key is optional but `[service] name` and `model`.

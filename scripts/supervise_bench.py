@@ -30,28 +30,10 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RK = [sys.executable, "-m", "restartkit.cli"]
-
-
-def cli(*args, check=False) -> subprocess.CompletedProcess:
-    r = subprocess.run([*RK, *map(str, args)], capture_output=True, text=True, timeout=900, cwd=ROOT)
-    if check and r.returncode != 0:
-        raise RuntimeError(f"restartkit {' '.join(map(str, args))} -> {r.returncode}\n{r.stderr[-2000:]}")
-    return r
-
-
-def answers(port: int) -> bool:
-    body = json.dumps({"prompt": "ping", "max_tokens": 1, "temperature": 0}).encode()  # model: the one served
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=2) as r:
-            return r.status == 200
-    except Exception:
-        return False
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import RK, ROOT, answers, ask, engines_on, gpu_mib, print_verdicts, standby_prepared  # noqa: E402,F401
 
 
 class Notes:
@@ -85,51 +67,15 @@ class Notes:
         return max(b - a for a, b in zip(ts, ts[1:]))
 
 
-def engines_on(port: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        try:
-            cmd = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if b"restartkit.reference.serving.server" in cmd and str(port).encode() in cmd:
-            out.append(int(d))
-    return out
-
-
-def gpu_mib(pid: int) -> int | None:
-    """Device memory the process holds (nvidia-smi), None without a GPU."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    for line in out.splitlines():
-        a, _, b = line.partition(",")
-        if a.strip() == str(pid):
-            return int(b.strip())
-    return None
-
-
-def standby_prepared(pol: Path, timeout: float = 300) -> dict:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        sb = json.loads(cli("status", "--policy", pol, "--json").stdout).get("standby") or {}
-        if sb.get("state") == "prepared" and (sb.get("canary") or not sb.get("kv_ahead")):
-            return sb  # (activated ahead: once it answered its canary ahead too)
-        time.sleep(0.2)
-    raise RuntimeError("no standby was prepared in time")
-
-
 def run(pol: Path, port: int, kills: int, with_cache: bool, snapshot: bool = False, watchdog_s: float = 0,
         sigterm: bool = False, standby: bool = False) -> dict:
-    cli("weightcache", "release", "--policy", pol, "--stop", "--force")
-    cli("stop", "--policy", pol)
+    ask("weightcache", "release", "--policy", pol, "--stop", "--force")
+    ask("stop", "--policy", pol)
     if not snapshot:  # a snapshot of an earlier mode would serve these crashes (auto ranks criu+ipc first)
         import shutil
         shutil.rmtree(pol.parent / "state" / "supervised" / "snapshots", ignore_errors=True)
     if with_cache:
-        cli("preload", "--policy", pol, "--detach", check=True)
+        ask("preload", "--policy", pol, "--detach", check=True)
     notes = Notes(pol.parent / "notify.sock")
     env = {**os.environ, "NOTIFY_SOCKET": notes.path, **({"WATCHDOG_USEC": str(int(watchdog_s * 1e6))} if watchdog_s else {})}
     sup = subprocess.Popen([*RK, "supervise", "--policy", str(pol)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -139,17 +85,17 @@ def run(pol: Path, port: int, kills: int, with_cache: bool, snapshot: bool = Fal
         while not answers(port):
             time.sleep(0.2)
         if with_cache:  # onto the cache first, as rollout would
-            cli("restart", "--policy", pol, "--strategy", "ipc", "--wait", "120", check=True)
+            ask("restart", "--policy", pol, "--strategy", "ipc", "--wait", "120", check=True)
         if snapshot:  # taken while supervise watches: it holds the service's lock meanwhile
-            cli("snapshot", "create", "--policy", pol, "--wait", "120", check=True)
+            ask("snapshot", "create", "--policy", pol, "--wait", "120", check=True)
         watched_from = time.monotonic()
         for _ in range(kills):
             if standby:  # a crash finds an armed standby (the last one's re-arm is done)
                 sb = standby_prepared(pol)
                 result.setdefault("standby", []).append({"pid": sb["pid"], "prepare_s": sb.get("prepare_s"),
                                                          "rss_bytes": sb.get("rss_bytes"), "gpu_mib": gpu_mib(sb["pid"])})
-            last = (json.loads(cli("history", "--policy", pol, "--last", "1", "--json").stdout)["records"] or [{}])[-1].get("id")
-            pid = json.loads(cli("status", "--policy", pol, "--json").stdout)["pid"]
+            last = (json.loads(ask("history", "--policy", pol, "--last", "1", "--json").stdout)["records"] or [{}])[-1].get("id")
+            pid = json.loads(ask("status", "--policy", pol, "--json").stdout)["pid"]
             pidfd = os.pidfd_open(pid)
             t0 = time.monotonic()
             os.kill(pid, signal.SIGKILL)
@@ -161,7 +107,7 @@ def run(pol: Path, port: int, kills: int, with_cache: bool, snapshot: bool = Fal
             while not answers(port):
                 time.sleep(0.02)
             seen = time.monotonic() - t0
-            while (rec := (json.loads(cli("history", "--policy", pol, "--last", "1", "--json").stdout)["records"]
+            while (rec := (json.loads(ask("history", "--policy", pol, "--last", "1", "--json").stdout)["records"]
                            or [{}])[-1]).get("id") == last:
                 time.sleep(0.2)
             out.append({"kill_to_answer_s": round(seen, 3), "served_by": rec["served_by"],
@@ -179,7 +125,7 @@ def run(pol: Path, port: int, kills: int, with_cache: bool, snapshot: bool = Fal
         if sup.poll() is None:
             os.killpg(sup.pid, signal.SIGTERM)
             sup.wait(120)
-        cli("weightcache", "release", "--policy", pol, "--stop", "--force")
+        ask("weightcache", "release", "--policy", pol, "--stop", "--force")
         notes.sock.close()
     result["runs"] = out
     return result
@@ -188,7 +134,7 @@ def run(pol: Path, port: int, kills: int, with_cache: bool, snapshot: bool = Fal
 def sigterm_mid_restart(sup, notes: Notes, pol: Path, port: int) -> dict:
     """One more crash; SIGTERM to supervise while its restart runs."""
     t0 = time.monotonic()
-    pid = json.loads(cli("status", "--policy", pol, "--json").stdout)["pid"]
+    pid = json.loads(ask("status", "--policy", pol, "--json").stdout)["pid"]
     os.kill(pid, signal.SIGKILL)
     while notes.first("STATUS=restarting", t0) is None and time.monotonic() - t0 < 30:
         time.sleep(0.01)
@@ -201,14 +147,6 @@ def sigterm_mid_restart(sup, notes: Notes, pol: Path, port: int) -> dict:
     time.sleep(0.5)
     return {"exit_code": rc, "stopping_after_s": round(stopping - t1, 3) if stopping else None,
             "exit_after_s": round(exited, 3), "engines_left": engines_on(port)}
-
-
-def print_verdicts(verdicts: list[tuple[str, bool]]) -> int:
-    """The verdict table every device script ends with; its exit code (0: every verdict ok)."""
-    print("verdict")
-    for what, ok in verdicts:
-        print(f"  {'ok  ' if ok else 'FAIL'} {what}")
-    return 0 if all(ok for _, ok in verdicts) else 1
 
 
 def main() -> int:
@@ -229,7 +167,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     model = Path(a.model) if a.model else work / a.preset
     if not (model / "config.json").exists():
-        cli("model", "create", "--preset", a.preset, "--out", model, "--device", a.device, check=True)
+        ask("model", "create", "--preset", a.preset, "--out", model, "--device", a.device, check=True)
     pol = work / "supervised.toml"
     pol.write_text(f"""[service]
 name = "supervised"

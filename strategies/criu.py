@@ -67,7 +67,8 @@ class CriuStrategy(BaseStrategy):
         return [r for r in (p(facts, policy) for p in SNAPSHOT_PREREQUISITES) if r]
 
     def execute(self, service, facts: Facts, plan: Plan) -> Outcome:
-        from restartkit.snapshot.ops import restore, store_for
+        from restartkit.snapshot.ops import store_for
+        from restartkit.snapshot.restore import restore
         store = store_for(service)
         snap = store.current()
         if snap is None or snap.damaged:

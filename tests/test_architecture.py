@@ -93,7 +93,17 @@ def test_the_graph_sees_the_package():
 
 
 def test_nothing_but_the_entry_point_imports_the_cli():
-    assert [m for m, deps in graph().items() if CLI in deps] == []
+    """The cli package's modules import one another; nothing outside it imports any of them, and `python -m
+    restartkit.cli` (its __main__) is the entry point."""
+    def cli(m: str) -> bool:
+        return m == CLI or m.startswith(CLI + ".")
+    assert [m for m, deps in graph().items() if not cli(m) and any(cli(d) for d in deps)] == []
+
+
+def test_cli_modules_are_thin():
+    """One module per command group, each short: what a command does lives in the library."""
+    long = {p.name: n for p in (ROOT / "restartkit" / "cli").glob("*.py") if (n := len(p.read_text().splitlines())) > 200}
+    assert long == {}, long
 
 
 def test_only_the_restart_flow_imports_strategies():
@@ -240,3 +250,36 @@ def test_the_reference_engine_is_in_folders_by_role():
                 names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
                 assert not any(n.startswith(("restartkit.reference.serving", "restartkit.reference.sched"))
                                for n in names), f"{path.name} imports {names}"
+
+
+def test_the_supervisor_does_one_job():
+    """supervise's loop only: the held socket, the standby keeper, the start limit, the probes and its state file
+    are classes of their own (restartkit/supervision/)."""
+    tree = ast.parse((ROOT / "restartkit" / "commands" / "supervise.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Supervisor"]
+    assert cls.end_lineno - cls.lineno + 1 <= 250
+    long = {f.name: f.end_lineno - f.lineno + 1 for f in cls.body
+            if isinstance(f, ast.FunctionDef) and f.end_lineno - f.lineno + 1 > 30}
+    assert long == {}, long
+
+
+def test_nothing_below_the_commands_imports_them():
+    """commands/ holds commands and their bodies: only the CLI and other commands import them."""
+    bad = {m: sorted(d for d in deps if d.startswith("restartkit.commands")) for m, deps in graph().items()
+           if not m.startswith(("restartkit.commands", CLI)) and any(d.startswith("restartkit.commands") for d in deps)}
+    assert bad == {}, bad
+
+
+def test_the_bench_scripts_share_benchlib_and_import_no_sibling():
+    scripts = {p.stem for p in (ROOT / "scripts").glob("*.py")}
+    bad = {}
+    for p in (ROOT / "scripts").glob("*.py"):
+        for node in _runtime_imports(ast.parse(p.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            bad.update({p.name: n for n in names if n in scripts and n != "benchlib"})
+    assert bad == {}, bad
+
+
+def test_no_module_is_over_500_lines():
+    long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > 500}
+    assert long == {}, long

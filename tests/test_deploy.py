@@ -92,7 +92,7 @@ def test_the_refresh_cronjob_may_exec_into_its_pod_only():
     """The refresh runs in the engine's container through `kubectl exec`, from a CronJob whose service
     account may exec into that one pod (a Role, bound to it), on the policy's schedule in cron's words."""
     import tomllib
-    from restartkit.commands.schedule import to_cron
+    from restartkit.policy.schedule import to_cron
     d = docs(MANIFESTS[1])
     job = d["CronJob"]["spec"]
     pod = job["jobTemplate"]["spec"]["template"]["spec"]

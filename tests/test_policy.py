@@ -104,7 +104,7 @@ def test_policy_check_warns_about_a_strategy_the_policy_rules_out(tmp_path, tiny
 
 
 def test_a_policy_without_conflicts_has_no_warnings(tmp_path):
-    from restartkit.commands.combinations import warnings
+    from restartkit.policy.warnings import warnings
     p = tmp_path / "p.toml"
     p.write_text(FILE.format(engine="reference", service="", model="/m") + '[sleep]\nenabled = true\n[ipc]\nmode = "copy"\n[criu]\n')
     assert warnings(load_policy(p)) == []

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from restartkit.commands.schedule import UNASKED, ScheduleError, check, parsed_check, systemd_check, to_cron
+from restartkit.policy.schedule import UNASKED, ScheduleError, check, parsed_check, systemd_check, to_cron
 from tests.helpers import run_cli
 
 HAVE_ANALYZE = shutil.which("systemd-analyze") is not None

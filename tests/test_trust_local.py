@@ -108,8 +108,13 @@ def test_the_broker_name_is_not_derived_from_anything_public(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(mode=0o700)
     b.mkdir(mode=0o700)
-    assert listener.engine_broker(a) == listener.engine_broker(a) != listener.engine_broker(b)
-    assert str(a) not in listener.engine_broker(a) and str(os.getuid()) not in listener.engine_broker(a)[1:20]
+    name = listener.engine_broker(a)
+    assert name == listener.engine_broker(a) != listener.engine_broker(b)
+    # the token alone names it (0600, in the 0700 state dir): a new token, a new name; the path and the uid do not
+    from restartkit.guard import admin
+    assert name == admin.broker_name((a / admin.TOKEN_FILE).read_text().strip())
+    (a / admin.TOKEN_FILE).unlink()
+    assert listener.engine_broker(a) != name and str(a) not in name
 
 
 def test_stop_signals_no_process_a_forged_engine_json_names(make_policy):

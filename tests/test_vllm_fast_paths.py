@@ -78,3 +78,40 @@ def test_a_standby_vllm_takes_over_a_killed_one(make_policy, vllm_model, service
         assert rec["time_to_ready_s"] <= 2.0, rec
     finally:
         s.close()
+
+
+def test_a_busy_standby_vllm_is_promoted_on_a_crash_under_cpu_load(make_policy, vllm_model, service_cleanup, sockdir,
+                                                                    preloads, tmp_path):
+    """Both cores busy (spinning processes beside the standby) when the serving vLLM is SIGKILLed: its standby's
+    private /health may be slow, but it is not frozen, so the crash is served through it (on a loaded host it was
+    skipped as frozen once, and ipc served 88 s after the kill)."""
+    import subprocess
+    import sys
+    from tests.helpers import Supervised
+    policy = cache_policy(make_policy, vllm_model, service_cleanup, sockdir,
+                          extra='\n[standby]\nenabled = true\nkv_ahead = "never"\n',
+                          env=', VLLM_CPU_OMP_THREADS_BIND = "nobind"')
+    policy.write_text(policy.read_text() + SUPERVISE_FAST.format(burst=5))
+    start_preload(policy, preloads)
+    s = Supervised(policy, tmp_path)
+    try:
+        s.wait_note("READY=1", timeout=START_S)
+        first = status(policy)["pid"]
+        sb = armed(policy)
+        time.sleep(8.0)  # served past [supervise] min_uptime_s: a crash, not a failed start
+        records = len(s.records())
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]
+        try:
+            time.sleep(1.0)
+            os.killpg(first, signal.SIGKILL)
+            rec = s.wait_record(records + 1, timeout=240)
+        finally:
+            for h in hogs:
+                h.kill()
+                h.wait()
+        assert rec["served_by"] == "standby" and rec["proof"]["canary_identical"] is True, \
+            (rec["served_by"], rec.get("recovery_reason"), rec["plan"])
+        assert status(policy)["pid"] == sb["pid"]
+        print("vLLM standby under CPU load: noticed -> serving", rec["trigger"].get("noticed_to_serving_s"), "s")
+    finally:
+        s.close()

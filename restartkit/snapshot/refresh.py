@@ -113,7 +113,7 @@ def verify(snap) -> None:
 def install_timer(service, schedule: str, unit_dir: str = "/etc/systemd/system") -> tuple[list[Path], str]:
     """Write restartkit-refresh-<service>.service/.timer; return them and the crontab line for the same
     schedule (or, starting with '#', why cron cannot run it).  A schedule systemd refuses writes nothing."""
-    from restartkit.commands.schedule import ScheduleError, check, period_s, to_cron
+    from restartkit.policy.schedule import ScheduleError, check, period_s, to_cron
     from restartkit.systemd.units import cron_command, environment, exec_line, unit_dir as checked_unit_dir
     from restartkit.errors import UsageError
     if refused := check(schedule):

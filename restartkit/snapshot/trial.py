@@ -141,7 +141,7 @@ def _inside(args) -> dict:
     # a weights-less copy maps the weights from the serving engine's weight cache (a second user
     # of the same arena: no second copy of the weights), then gets its own KV cache
     weightless = manifest.get("kind") == "weightless"
-    from restartkit.snapshot.ops import admin_base
+    from restartkit.snapshot.restore import admin_base
     base = admin_base(manifest)  # it gave up supervise's held socket for its dump: the copy answers there alone
     adapter.after_resume(pol, weights=weightless, base=base)
     phases["reattach_weights" if weightless else "kv_cache_restore"] = round(time.monotonic() - t, 3)

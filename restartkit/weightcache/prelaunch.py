@@ -1,5 +1,6 @@
-"""`restartkit preload`: policy + flags -> a layout -> the launcher
-(foreground, detached, or only waiting for one that runs)."""
+"""The weight cache as a library call: policy + flags -> a layout (build), the cache started or stopped for a
+service, and a wait until it is ready.  `restartkit preload` (restartkit/commands/preload.py), the demo and
+rollout use it."""
 from __future__ import annotations
 
 import os
@@ -22,7 +23,7 @@ NO_FLAGS = {**{k: None for k in FLAG_TO_LAYOUT}, "startup_timeout": None, "healt
 def start_weight_cache(policy, say) -> int:
     """Start the policy's weight cache in the background and return once every local rank
     is ready (`restartkit preload --detach`); the exit code of that command."""
-    return preload_command(policy.path, NO_FLAGS, detach=True, wait_ready=False, say=say, state_root=policy.state_root)
+    return detached(policy.path, NO_FLAGS, say, policy.state_root)
 
 
 def stop_weight_cache(policy) -> list[dict]:
@@ -95,33 +96,31 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def preload_command(policy_path, flags: dict, detach: bool, wait_ready: bool, say, state_root: str = "") -> int:
-    from restartkit.weightcache.launcher import Launcher, run
+def health_url(host: str, port: int | None) -> str | None:
+    """The launcher's /health (None: it serves none)."""
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}/health" if port else None
+
+
+def detached(policy_path, flags: dict, say, state_root: str = "") -> int:
+    """`restartkit preload --detach`: the launcher started in the background (its log in the state dir), and
+    this returns once every local rank is ready: 0, else the launcher's exit code or EXIT_NOT_SERVING."""
     policy, layout, timeout, host, port = build(policy_path, flags, state_root)
-    if policy is not None and not wait_ready:
-        from restartkit.commands.combinations import warnings
-        for w in warnings(policy):
-            say(f"warning: {w}")
-    health = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}/health" if port else None
-    if wait_ready:
-        return wait_until_ready(layout, timeout, say, health)
-    if detach:
-        argv = [sys.executable, "-m", "restartkit.cli", "preload"] + _argv(policy_path, flags)
-        if state_root:
-            argv += ["--state-dir", state_root]
-        state = (policy.state_dir() if policy else None)
-        log_path = (state / "weightcache.log") if state else os.devnull
-        if state:
-            state.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
-        rc = wait_until_ready(layout, timeout, say, health)
-        if proc.poll() is not None:
-            say(f"the launcher exited with code {proc.returncode}; log: {log_path}")
-            return proc.returncode or EXIT_NOT_SERVING
-        say(f"launcher PID {proc.pid}; log: {log_path}")
-        return rc
-    return run(Launcher(layout, timeout, host, port, say=say))
+    health = health_url(host, port)
+    argv = [sys.executable, "-m", "restartkit.cli", "preload"] + _argv(policy_path, flags)
+    if state_root:
+        argv += ["--state-dir", state_root]
+    state = (policy.state_dir() if policy else None)
+    log_path = (state / "weightcache.log") if state else os.devnull
+    if state:
+        state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+    rc = wait_until_ready(layout, timeout, say, health)
+    if proc.poll() is not None:
+        say(f"the launcher exited with code {proc.returncode}; log: {log_path}")
+        return proc.returncode or EXIT_NOT_SERVING
+    say(f"launcher PID {proc.pid}; log: {log_path}")
+    return rc
 
 
 def _argv(policy_path, flags) -> list[str]:

@@ -109,3 +109,10 @@ def _processed(name: str, t: torch.Tensor, dtype: torch.dtype, quantization: str
         yield name + SCALE_SUFFIX, scale.to(dtype)
     else:
         yield name, t.to(dtype)
+
+
+def set_tensor(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Put `tensor` in place of the parameter `name` (no copy)."""
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name)
+    setattr(mod, attr, torch.nn.Parameter(tensor, requires_grad=False))

@@ -14,7 +14,7 @@ import torch
 from restartkit.reference.model import kernels
 from restartkit.reference.model.checkpoint import DTYPES
 from restartkit.reference.model.llama import LlamaForCausalLM, ModelConfig, Parallel, UnsupportedConfig, check_parallel
-from restartkit.reference.model.weights import build_model, processed_weights
+from restartkit.reference.model.weights import build_model, processed_weights, set_tensor
 from restartkit.reference.runtime.graphs import DecodeGraphs, Launch
 
 
@@ -340,51 +340,12 @@ class Engine:
         return self.model.decode(tokens, torch.tensor(positions, device=dev), torch.tensor(slots, device=dev),
                                  span=max(positions) + 1)
 
-    @torch.inference_mode()
     def speculate(self, seq) -> None:
-        """Greedy decoding of one sequence (restartkit.reference.sched.sequence) with the draft proposing
-        up to spec_tokens tokens a round, which this model checks in one forward pass: every token emitted
-        is this model's own greedy choice (the draft only decides how many come out of one pass).  The
-        draft runs in its single slot; this model in the sequence's."""
-        from restartkit.reference.sched.sequence import Event, choose
+        """Greedy decoding of `seq` with the draft model proposing (restartkit.reference.runtime.speculative)."""
+        from restartkit.reference.runtime.speculative import speculate
         if self.leads:
             self._broadcast(CMD_SPECULATE, [seq.sampling.max_tokens, seq.slot], seq.prompt)
-        dev, draft, eos, slot = self.device, self.draft, self.config.eos_token_ids, seq.slot
-        prompt, max_tokens, out = seq.prompt, seq.sampling.max_tokens, seq.tokens
-
-        def take(row: torch.Tensor) -> int:  # this model's greedy choice from one row of logits
-            token, logprob, top = choose(seq, row.float().cpu(), self.options.seed)
-            out.append(token)
-            seq.emit(Event(0, "token", token, logprob, top, eos=token in eos))
-            return token
-
-        def done() -> bool:
-            return len(out) >= max_tokens or out[-1] in eos
-
-        take(self.model(torch.tensor(prompt, device=dev), torch.arange(len(prompt)).to(dev), slot)[-1])
-        drafted = 0  # how much of the sequence the draft's KV cache holds
-        while not done():
-            seen = prompt + out
-            pos = len(seen) - 1  # the last token's position: in neither cache yet
-            k = min(self.spec_tokens, max_tokens - len(out))
-            # the draft catches up on what it has not seen (through the last token), then proposes k
-            logits = draft.model(torch.tensor(seen[drafted:], device=dev), torch.arange(drafted, pos + 1).to(dev))[-1]
-            props = [int(torch.argmax(logits))]
-            for j in range(1, k):
-                logits = draft.model(torch.tensor([props[-1]], device=dev), torch.tensor([pos + j], device=dev))[0]
-                props.append(int(torch.argmax(logits)))
-            # row j: this model's logits after the last token and the first j proposals
-            rows = self.model(torch.tensor([seen[-1], *props], device=dev), torch.arange(pos, pos + k + 1).to(dev), slot)
-            j = 0  # proposals accepted
-            while take(rows[j]) == (props[j] if j < k else None):
-                j += 1
-                if done():
-                    break
-            drafted = pos + 1 + min(j, k - 1)  # the proposals it was fed and that were kept
-            self.spec_counts["rounds"] += 1
-            self.spec_counts["proposed"] += k
-            self.spec_counts["accepted"] += j
-        seq.emit(Event(0, "done", finish="stop" if out[-1] in eos else "length"))
+        speculate(self, seq)
 
     # ---- tensor parallel: rank 0 tells the others what to run -------------------
     def _broadcast(self, cmd: int, args=(), payload=()) -> None:
@@ -533,9 +494,3 @@ def _trim_heap() -> None:
     except (OSError, AttributeError):
         pass
 
-
-def set_tensor(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """Put `tensor` in place of the parameter `name` (no copy)."""
-    mod_name, _, attr = name.rpartition(".")
-    mod = model.get_submodule(mod_name)
-    setattr(mod, attr, torch.nn.Parameter(tensor, requires_grad=False))

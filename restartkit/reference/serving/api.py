@@ -28,11 +28,10 @@ from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
-from restartkit.guard.admin import ADMIN_HEADER, ADMIN_TOKEN_ENV
+from restartkit.guard.admin import ADMIN_TOKEN_ENV
 
-# admin routes that act on the loaded model (its KV cache, its weights)
-ENGINE_ROUTES = ("/admin/drop_kv_cache", "/admin/release_weights", "/admin/reattach_weights", "/admin/restore_kv_cache")
 from restartkit.reference.log import log
+from restartkit.reference.serving.admin_routes import ENGINE_ROUTES, AdminRoutes
 from restartkit.reference.serving.serving_completions import CompletionRoutes
 from restartkit.reference.serving.utility_routes import EngineMetrics, UtilityRoutes
 from restartkit.reference.serving import reuseport
@@ -200,7 +199,7 @@ class State:
         return True
 
 
-class Handler(CompletionRoutes, UtilityRoutes, BaseHTTPRequestHandler):
+class Handler(CompletionRoutes, UtilityRoutes, AdminRoutes, BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: EngineServer
 
@@ -400,53 +399,13 @@ class Handler(CompletionRoutes, UtilityRoutes, BaseHTTPRequestHandler):
             elif path in ENGINE_ROUTES and self.server.state.engine is None:  # a standby before its promotion
                 self._error(409, f"{path}: this engine has no model loaded yet (a prepared standby is given it "
                                  "at its promotion)", "conflict")
-            elif path == "/admin/detach_listener":
-                self._admin_detach()
-            elif path == "/admin/drop_kv_cache":
-                self._admin_drop_kv()
-            elif path == "/admin/release_weights":
-                self.server.state.ready = False
-                try:
-                    self._send(200, self.server.state.engine.release_weights())
-                except ValueError as e:
-                    self.server.state.ready = self.server.state.engine.model is not None
-                    self._error(409, str(e), "conflict")
-            elif path == "/admin/reattach_weights":
-                fallback = bool((body or {}).get("fallback", False))
-                try:
-                    info = self.server.state.engine.reattach_weights(fallback=fallback)
-                except RuntimeError as e:  # the loader: the weight cache is gone or holds other weights
-                    self._error(409, str(e), "conflict")
-                    return
-                self.server.state.ready = True
-                self._send(200, {"load": info, "kv_cache_bytes": self.server.state.engine.model.kv_cache_bytes})
-            elif path == "/admin/restore_kv_cache":
-                self.server.state.engine.restore_kv_cache()
-                self.server.state.ready = True
-                self._send(200, {"kv_cache_bytes": self.server.state.engine.model.kv_cache_bytes})
+            elif path.startswith("/admin/"):
+                self._admin_post(path, body)
             else:
                 self._error(404, f"no route {path}")
         except Exception as e:  # one bad request must not take the engine down
             log(f"error on {path}: {type(e).__name__}: {e}")
             self._error(500, f"{type(e).__name__}: {e}", "server_error")
-
-    def _admin_detach(self) -> None:
-        """Give up the held socket; it is taken back from the supervisor's broker, whose address follows from the
-        admin token (restartkit.guard.admin.broker_name): never from the request."""
-        st = self.server.state
-        if st.listeners is None:
-            self._error(409, "this engine serves no held socket (a standby promoted to serve, or one started on a "
-                             "port of its own)", "conflict")
-            return
-        if st.admin_token is None:
-            self._error(409, "this engine was started without restartkit's admin token: it has no broker to take "
-                             "the held socket back from", "conflict")
-            return
-        from restartkit.guard.admin import broker_name
-        try:
-            self._send(200, {"admin_port": st.listeners.detach(broker_name(st.admin_token))})
-        except RuntimeError as e:  # detach.DetachError: nothing to give up
-            self._error(409, str(e), "conflict")
 
     def _sleep_or_wake(self, path: str, query: dict) -> None:
         st = self.server.state
@@ -497,41 +456,6 @@ class Handler(CompletionRoutes, UtilityRoutes, BaseHTTPRequestHandler):
         self._error(401, "a valid API key is needed: send Authorization: Bearer <key>", "authentication_error")
         return False
 
-    def _from_this_host(self) -> bool:
-        """Loopback, or this host calling the specific address the server binds (restartkit does
-        that when [service] host names one): another host cannot open a TCP connection from it."""
-        client = self.client_address[0]
-        bound = self.server.server_address[0]
-        return client in ("127.0.0.1", "::1") or client.startswith("127.") or (
-            bound not in ("0.0.0.0", "::", "") and client == bound)
-
-    def _admin_sent(self) -> bool:
-        """The request carries restartkit's admin token (False where the engine has none)."""
-        import hmac
-        token = self.server.state.admin_token
-        return token is not None and hmac.compare_digest((self.headers.get(ADMIN_HEADER) or "").encode(),
-                                                         token.encode())
-
-    def _admin_ok(self) -> bool:
-        """Admin calls (stats, sleep and wake, KV-cache drop, weights release, the held socket) carry restartkit's
-        admin token when the engine has one (and the API key too, when one is set); an engine started by hand
-        without one answers them on loopback only.  A 403 otherwise: an address is not a credential."""
-        import hmac
-        st = self.server.state
-        if st.admin_token is None:
-            if self._from_this_host():
-                return True
-            self._error(403, "admin endpoints answer on loopback only", "forbidden")
-            return False
-        key_ok = st.api_key is None or hmac.compare_digest((self.headers.get("Authorization") or "").encode(),
-                                                           f"Bearer {st.api_key}".encode())
-        if self._admin_sent() and key_ok:
-            return True
-        self.close_connection = True
-        self._error(403, "admin endpoints answer restartkit's own calls only (its admin token, in the service's "
-                         "state dir)", "forbidden")
-        return False
-
     def _serving(self) -> bool:
         st = self.server.state
         if st.sleeper is not None and st.sleeper.asleep:
@@ -541,41 +465,3 @@ class Handler(CompletionRoutes, UtilityRoutes, BaseHTTPRequestHandler):
             self._error(503, "the engine is not ready (loading, or its KV cache was dropped)", "unavailable")
             return False
         return True
-
-    def _stats(self) -> dict:
-        st = self.server.state
-        eng = st.engine
-        out = {
-            "pid": os.getpid(), "ready": st.ready and not st.stopping, "model": st.model_name,
-            "phases": st.phases, "requests": st.requests,
-            "started_at": st.started_at, "ready_at": st.ready_at,
-        }
-        if st.sleeper is not None:
-            out["sleep"] = {"enabled": True, "level": st.sleeper.level, "last": st.sleeper.last}
-        if eng is not None and eng.model is not None:
-            out.update(load=eng.load_info, device=str(eng.device), dtype=str(eng.dtype).replace("torch.", ""),
-                       # can a new engine serve beside it on its port (an overlapped hand-over)?
-                       reuse_port=getattr(self.server, "reuse_port", False) or st.prepared_mode or self.server.held,
-                       held_socket=self.server.held,
-                       weight_bytes=eng.weight_bytes(), kv_cache_bytes=eng.model.kv_cache_bytes,
-                       cuda_graph=eng._graphs is not None)
-        if eng is not None and eng.scheduler is not None:
-            s = eng.scheduler
-            running, waiting = s.depth
-            out["scheduler"] = {"running": running, "waiting": waiting, "max_num_seqs": s.max_num_seqs,
-                                "max_queued_seqs": s.max_waiting, **s.counts}
-            if eng.draft is not None:
-                out["speculative"] = {"draft_model": eng.draft.options.model, "tokens": eng.spec_tokens,
-                                      **eng.spec_counts}
-        try:  # resident pages (psutil's import alone costs tens of ms on a busy start)
-            with open("/proc/self/statm") as f:
-                out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            pass
-        return out
-
-    def _admin_drop_kv(self):
-        eng = self.server.state.engine
-        self.server.state.ready = False
-        freed = eng.drop_kv_cache()
-        self._send(200, {"freed_bytes": freed})

@@ -152,7 +152,7 @@ def _env(v):
 
 
 def _calendar(v):
-    from restartkit.commands.schedule import check
+    from restartkit.policy.schedule import check
     return check(v)
 
 

@@ -1,0 +1,4 @@
+"""python -m restartkit.cli"""
+from restartkit.cli import main
+
+main()
