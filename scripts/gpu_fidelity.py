@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The reference engine against transformers on this machine's GPU (or the CPU), for the checkpoint
-configs tests/test_fidelity.py covers on the CPU in CI:
+configs tests/reference/test_fidelity.py covers on the CPU in CI:
 
     python3 scripts/gpu_fidelity.py [--device cuda] [--dtype float32|bfloat16]
 

@@ -1,6 +1,6 @@
 """docs/policy.md, generated from the policy schema (restartkit.policy.SCHEMA): every key with its type, default,
 allowed values and meaning.  `.venv/bin/python scripts/policydoc.py > docs/policy.md` writes it; a test
-(tests/test_policy_doc.py) fails when the page in the repository differs from what this prints."""
+(tests/policy/test_policy_doc.py) fails when the page in the repository differs from what this prints."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from restartkit.policy import SCHEMA
 HEAD = """# Policy keys
 
 <!-- Generated from restartkit/policy/__init__.py's SCHEMA by `python scripts/policydoc.py > docs/policy.md`:
-     edit the schema, not this page (tests/test_policy_doc.py fails when they differ). -->
+     edit the schema, not this page (tests/policy/test_policy_doc.py fails when they differ). -->
 
 One TOML file per service (examples in `policies/`).  Every key is optional but `[service] name` and `model`.
 Unknown keys and wrong types are errors that name the file, the key and what is allowed; `restartkit policy check

@@ -157,7 +157,7 @@ def vllm_policy_for(make_policy, vllm_model, service_cleanup, env="", extra="", 
     return policy
 
 
-# vLLM with restartkit's weight cache (tests/test_vllm_fast_paths.py, tests/test_vllm_criu_ipc.py)
+# vLLM with restartkit's weight cache (tests/engines/test_vllm_fast_paths.py, tests/engines/test_vllm_criu_ipc.py)
 START_S = 600  # a vLLM start on a 2-core host: 55-90 s idle, longer beside a second one
 
 

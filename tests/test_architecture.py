@@ -202,11 +202,21 @@ def test_functions_fit_on_a_screen():
 def test_no_test_file_imports_another():
     """Shared fixtures live in conftest.py, shared steps in tests/helpers.py."""
     offenders = []
-    for path in sorted((ROOT / "tests").glob("test_*.py")):
+    tests = {p.stem for p in (ROOT / "tests").rglob("test_*.py")}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests.test_"):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").rsplit(".", 1)[-1] in tests:
                 offenders.append(f"{path.name} imports {node.module}")
     assert offenders == []
+
+
+def test_tests_are_grouped_by_the_package_they_test():
+    """tests/<room>/ for each room of the package; at the top only what spans the rooms (the house's rules, the
+    planner and the restart flow, records and metrics, deployment)."""
+    rooms = {p.name for p in (ROOT / "restartkit").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    groups = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    assert groups <= rooms | {"engines"}, groups - rooms
+    assert len(list((ROOT / "tests").glob("test_*.py"))) <= 25
 
 
 def test_one_registry_of_strategies_per_command():

@@ -6,7 +6,7 @@ import importlib.util
 
 from restartkit.policy import SCHEMA
 
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "policy.md"
+PAGE = Path(__file__).resolve().parent.parent.parent / "docs" / "policy.md"
 _spec = importlib.util.spec_from_file_location("policydoc", PAGE.parent.parent / "scripts" / "policydoc.py")
 policydoc = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(policydoc)
