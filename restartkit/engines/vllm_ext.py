@@ -33,12 +33,13 @@ def register() -> None:
     """The `vllm.general_plugins` entry point: vLLM calls it in each of its processes."""
     if os.environ.get(ENV) != "1":
         return  # a vLLM restartkit did not start: leave it exactly as it is
-    from vllm.model_executor.model_loader import register_model_loader
-    register_model_loader(LOAD_FORMAT)(_loader_class())
+    from restartkit.engines.vllm_seams import resolve
+    resolve("register_model_loader")(LOAD_FORMAT)(_loader_class())
 
 
 def _rank(vllm_config) -> dict:
-    from vllm.distributed import get_tensor_model_parallel_rank
+    from restartkit.engines.vllm_seams import resolve
+    get_tensor_model_parallel_rank = resolve("get_tensor_model_parallel_rank")
     par = vllm_config.parallel_config
     try:
         tp_rank = get_tensor_model_parallel_rank()
@@ -121,8 +122,8 @@ def load_from_cache(model, vllm_config, extra: dict, device_type: str, load) -> 
 def _loader_class():
     import dataclasses
 
-    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from restartkit.engines.vllm_seams import resolve
+    BaseModelLoader, DefaultModelLoader = resolve("BaseModelLoader"), resolve("DefaultModelLoader")  # noqa: N806
 
     class CacheLoader(BaseModelLoader):
         """`--load-format restartkit_cache`: the weights from restartkit's weight cache, or from disk
@@ -138,10 +139,8 @@ def _loader_class():
             self.disk.download_model(model_config)
 
         def load_weights(self, model, model_config) -> None:
-            from vllm.config import get_current_vllm_config
-
             from restartkit.weightcache.loader import IPCConfig, IPCUnavailable
-            vllm_config = get_current_vllm_config()
+            vllm_config = resolve("get_current_vllm_config")()
             device = vllm_config.device_config.device_type
             try:
                 info = load_from_cache(model, vllm_config, self.extra, device, lambda m, it: m.load_weights(it))
@@ -219,7 +218,6 @@ class Worker:
     def rk_reattach(self, extra_json: str) -> dict:
         """Give the storages back their size and load the weights from the cache again through vLLM's
         in-place reload (which processes them again, oneDNN packing included)."""
-        from vllm.model_executor.model_loader.reload.inplace import reload_weights
         released = getattr(self, "_rk_released", None)
         if released is None:
             raise RuntimeError("nothing was released")
@@ -228,9 +226,25 @@ class Worker:
         vllm_config = self.model_runner.vllm_config
         extra = json.loads(extra_json)
         info = load_from_cache(self.model_runner.model, vllm_config, extra, vllm_config.device_config.device_type,
-                               lambda m, it: reload_weights(vllm_config, m, weights_iterator=it, weights_path=None,
-                                                            is_checkpoint_format=True))
+                               reloader(vllm_config))
         self._rk_released = None
         LOAD_INFO.clear()
         LOAD_INFO.update(info, reattached=True)
         return dict(LOAD_INFO)
+
+
+def reloader(vllm_config):
+    """How the weights go back into a model that holds them already (a re-attach after a weights-less dump):
+    vLLM's in-place reload where it has one (0.30 and later), which processes them again (oneDNN packing on the
+    CPU); else the model's own load_weights, then vLLM's processing after loading (0.26: a GPU's unquantized
+    layers keep their weights as loaded)."""
+    from restartkit.engines.vllm_seams import resolve
+    if (reload_weights := resolve("reload_weights")) is not None:
+        return lambda m, it: reload_weights(vllm_config, m, weights_iterator=it, weights_path=None,
+                                            is_checkpoint_format=True)
+    process = resolve("process_weights_after_loading")
+
+    def load_and_process(model, weights) -> None:
+        model.load_weights(weights)
+        process(model, vllm_config.model_config, next(model.parameters()).device)
+    return load_and_process

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from restartkit.engines.vllm_seams import resolve
+
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 _flags = {"usr1": False, "usr2": False}
 
@@ -158,11 +160,9 @@ def _loader_config(args) -> dict:
 
 
 async def _app(client, args, admin: Admin):
-    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-    from vllm.entrypoints.launchers.app import build_app
     tasks = await client.get_supported_tasks()
-    app = build_app(args, tasks, client.model_config)
-    await init_app_state(client, app.state, args, tasks)
+    app = resolve("build_app")(args, tasks, client.model_config)
+    await resolve("init_app_state")(client, app.state, args, tasks)
     admin.routes(app)
     return app
 
@@ -170,9 +170,8 @@ async def _app(client, args, admin: Admin):
 async def _serve_public(client, args, sock: socket.socket, admin: Admin):
     """vLLM's own serving loop (its signal handling, drain and watchdog) on `sock`, until it stops."""
     import vllm.envs as envs
-    from vllm.entrypoints.launchers.launcher import serve_http
     app = await _app(client, args, admin)
-    return await serve_http(app, sock=sock, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+    return await resolve("serve_http")(app, sock=sock, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_uvicorn_access_log,
                             timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
 
@@ -196,10 +195,11 @@ async def _prepared(client, args, own, admin: Admin, given: socket.socket | None
     """A standby: the API on a private port until SIGUSR1 and SIGUSR2, then on the service's socket."""
     import uvicorn
 
-    from vllm.entrypoints.launchers.launcher import NoSignalServer, create_server_socket
+    from restartkit.engines.vllm_seams import no_signal_server
+    create_server_socket = resolve("create_server_socket")
     private_sock = create_server_socket(("127.0.0.1", 0), reuse_port=False)
     port = private_sock.getsockname()[1]
-    private = NoSignalServer(uvicorn.Config(await _app(client, args, admin), log_level="warning", access_log=False))
+    private = no_signal_server(uvicorn.Config(await _app(client, args, admin), log_level="warning", access_log=False))
     private_task = asyncio.create_task(private.serve(sockets=[private_sock]))
     _status(own, state="prepared", admin_port=port, phases=phases)
     _log(f"prepared (private port {port}); waiting for SIGUSR1")
@@ -225,8 +225,8 @@ async def _prepared(client, args, own, admin: Admin, given: socket.socket | None
 
 
 async def serve(own, args) -> int:
-    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
-    from vllm.entrypoints.launchers.launcher import create_server_socket
+    build_async_engine_client, create_server_socket = resolve("build_async_engine_client"), \
+        resolve("create_server_socket")
     given = socket.socket(fileno=own.listen_fd) if own.listen_fd is not None else None
     if given is not None:
         given.set_inheritable(False)  # vLLM's engine processes never accept
@@ -261,14 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     def interrupt(*_):
         raise KeyboardInterrupt("terminated")
     signal.signal(signal.SIGTERM, interrupt)  # until vLLM's serving loop installs its own
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-    from vllm.logger import configure_logging_from_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-    cli_env_setup()
-    args = make_arg_parser(FlexibleArgumentParser(prog="restartkit-vllm-serve")).parse_args(rest)
-    configure_logging_from_args(args)
-    validate_parsed_serve_args(args)
+    from restartkit.engines.vllm_seams import configure_logging
+    resolve("cli_env_setup")()
+    args = resolve("make_arg_parser")(resolve("FlexibleArgumentParser")(prog="restartkit-vllm-serve")).parse_args(rest)
+    configure_logging(args)
+    resolve("validate_parsed_serve_args")(args)
     import uvloop
     try:
         return uvloop.run(serve(own, args))
