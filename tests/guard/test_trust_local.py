@@ -79,12 +79,12 @@ bait = socket.socket(); bait.bind(("127.0.0.1", 0)); bait.listen(1)
 print("ready", flush=True)
 while True:
     c, _ = s.accept(); socket.send_fds(c, [b"L"], [bait.fileno()]); c.close()
-"""], stdout=subprocess.PIPE, text=True)
+"""], stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert squat.stdout.readline().strip() == "ready"
         assert listener.fetch_from(name, timeout_s=2) is None
-    finally:
-        squat.kill()
+    finally:  # runuser's child too (runuser passes no SIGKILL on): the whole group
+        os.killpg(squat.pid, signal.SIGKILL)
         squat.wait()
 
 

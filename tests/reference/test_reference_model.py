@@ -202,3 +202,18 @@ def test_the_processed_layout_is_named_in_the_weight_cache_fingerprint(tiny_mode
     older = {k: v for k, v in fp.items() if k != "layout"}
     assert [d["field"] for d in differences(older, fp)] == ["layout"]
     assert fingerprint(str(tiny_model), dtype=CHECKPOINT)["layout"] == CHECKPOINT
+
+
+def test_a_sampled_answer_continued_from_its_own_prefix_goes_on_the_same(tiny_model):
+    """Each sampled token's randomness is (seed, position) alone: a request resumed from the prompt plus the first
+    k tokens it was given (on another engine, after a crash) draws the rest of the same answer; another seed
+    draws another answer."""
+    from restartkit.reference.sched.sequence import token_seed
+    eng = Engine(EngineOptions(model=str(tiny_model), max_model_len=64))
+    eng.start()
+    p = [256, 1, 2, 3]
+    whole = eng.generate(p, 16, temperature=1.0, seed=7).tokens
+    for k in (1, 5, 11):
+        assert eng.generate(p + whole[:k], 16 - k, temperature=1.0, seed=7).tokens == whole[k:], k
+    assert eng.generate(p, 16, temperature=1.0, seed=8).tokens != whole
+    assert len({token_seed(s, pos) for s in range(64) for pos in range(64)}) == 64 * 64

@@ -2,7 +2,9 @@
 
 A request of p prompts with n choices each is p x n sequences; the HTTP surface reads their
 events (Event) from one queue and never touches a tensor.  Choosing a token is here too: the
-logits of one row, the sampling parameters, the generator seeded per sequence.
+logits of one row, the sampling parameters, and the randomness of each sampled token: a function of the
+request's seed and the token's position alone (token_seed), not a stream, so that a sequence continued from a
+prefix of its own answer (a request resumed on another engine) draws what it would have drawn.
 """
 from __future__ import annotations
 
@@ -79,7 +81,6 @@ class Sequence:
     slot: int = -1
     prefilled: int = 0  # prompt tokens in the KV cache
     tokens: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     finished: bool = False
     shared: bool = False  # it ran in a step beside another sequence
@@ -121,6 +122,22 @@ def stops(seq: Sequence, eos_ids) -> frozenset:
     return frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos else frozenset(eos_ids))
 
 
+MASK64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: every bit of `x` moves every bit of the result."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def token_seed(seed: int, position: int) -> int:
+    """The seed of the draw for the token at `position` of a sequence sampled with `seed`: (seed, position) alone
+    decide it (distinct choices of one request have distinct seeds, restartkit.reference.serving)."""
+    return _mix(_mix((seed + 0x9E3779B97F4A7C15) & MASK64) ^ position) & ((1 << 63) - 1)
+
+
 def choose(seq: Sequence, logits32: torch.Tensor, default_seed: int,
            eos_ids=frozenset()) -> tuple[int, float | None, dict | None]:
     """The next token of `seq` from its row of float32 host logits; with its logprob and the k likeliest
@@ -128,10 +145,10 @@ def choose(seq: Sequence, logits32: torch.Tensor, default_seed: int,
     s = seq.sampling
     scores = process(seq, logits32, eos_ids)
     if s.temperature > 0:
-        if seq.generator is None:
-            seq.generator = torch.Generator().manual_seed(s.seed if s.seed is not None else default_seed)
+        position = len(seq.prompt) + len(seq.tokens)  # of the token chosen now
+        g = torch.Generator().manual_seed(token_seed(s.seed if s.seed is not None else default_seed, position))
         probs = torch.softmax(warp(s, scores / s.temperature), dim=-1)
-        token = int(torch.multinomial(probs, 1, generator=seq.generator))
+        token = int(torch.multinomial(probs, 1, generator=g))
     else:
         token = int(torch.argmax(scores))
     if not s.logprobs and not s.top_logprobs:
