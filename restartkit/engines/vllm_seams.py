@@ -49,15 +49,24 @@ def resolve(name: str):
     """The object `name` from the first module of its seam that has it; None for an optional seam no module has.
     SeamMissing (naming every place tried and the installed version) for a required one."""
     modules, optional = SEAMS[name]
+    failed = []  # a module that exists but cannot be imported (a missing dependency): said, not taken for absent
     for mod in modules:
         try:
             found = getattr(importlib.import_module(mod), name, None)
-        except ImportError:
+        except ModuleNotFoundError as e:
+            if e.name and not mod.startswith(e.name):  # the module is there; something it imports is not
+                failed.append(f"importing {mod} failed: {type(e).__name__}: {e}")
+            continue
+        except ImportError as e:
+            failed.append(f"importing {mod} failed: {type(e).__name__}: {e}")
             continue
         if found is not None:
             return found
-    if optional:
+    if optional and not failed:
         return None
+    if failed:  # on the H200 a missing package of vLLM's read as "vLLM 0.26.0 has no build_async_engine_client"
+        raise SeamMissing(f"{name} could not be taken from vLLM {installed_version() or '?'}: {'; '.join(failed)}; "
+                          "install what it names")
     raise SeamMissing(f"vLLM {installed_version() or '?'} has no {name} (looked in {', '.join(modules)}); "
                       f"restartkit supports vLLM {span()}")
 

@@ -99,3 +99,19 @@ def test_a_bare_wake_answer_of_vllm_026_is_proven_by_is_sleeping():
     assert ad.can_confirm_sleep
     assert ad.wake_is_complete({}) and ad.wake_is_complete({"status": "awake"})
     assert not ad.wake_is_complete({"status": "sleeping"})
+
+
+def test_a_seam_whose_module_cannot_be_imported_says_why(monkeypatch):
+    """Seen on the H200: a package vLLM needs was missing, and restartkit said "vLLM 0.26.0 has no
+    build_async_engine_client".  A module that is there but fails to import is named with its error; a module that
+    is not there at all (another layout) is passed over."""
+    monkeypatch.setitem(vllm_seams.SEAMS, "probe", (("tests.fixtures.no_such_layout", "tests.fixtures.broken_import"),
+                                                    True))
+    vllm_seams.resolve.cache_clear()
+    with pytest.raises(vllm_seams.SeamMissing) as e:
+        vllm_seams.resolve("probe")
+    assert "importing tests.fixtures.broken_import failed" in str(e.value)
+    assert "No module named 'restartkit_no_such_package'" in str(e.value) and "no_such_layout" not in str(e.value)
+    monkeypatch.setitem(vllm_seams.SEAMS, "probe", (("tests.fixtures.no_such_layout",), True))
+    vllm_seams.resolve.cache_clear()
+    assert vllm_seams.resolve("probe") is None  # optional, and absent: restartkit's stand-in
