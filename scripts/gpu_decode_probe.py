@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def main() -> int:
     import torch
 
-    from restartkit.reference.runtime.engine import Engine, EngineOptions
+    from restartkit.reference.sched.engine import Engine, EngineOptions
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--device", default="cuda")

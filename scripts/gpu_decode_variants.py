@@ -113,7 +113,7 @@ def main() -> int:
     a = p.parse_args()
     import torch
 
-    from restartkit.reference.runtime.engine import Engine, EngineOptions
+    from restartkit.reference.sched.engine import Engine, EngineOptions
     model_dir = Path(a.work) / a.preset
     if not (model_dir / "config.json").exists():
         t0 = time.perf_counter()

@@ -27,8 +27,8 @@ def compare(path: Path, model, device: str, dtype: str, margin: float) -> tuple[
     from tokenizers import Tokenizer
     import transformers
 
-    from restartkit.reference.serving.completions import encode_prompt
-    from restartkit.reference.runtime.engine import Engine, EngineOptions
+    from restartkit.reference.serving.protocol import encode_prompt
+    from restartkit.reference.sched.engine import Engine, EngineOptions
     from tests.test_fidelity import NEW_TOKENS, PROMPTS
     tdtype = getattr(torch, dtype)
     model = model.to(device=device, dtype=tdtype)

@@ -25,7 +25,7 @@ def main() -> int:
     import torch
 
     from restartkit.reference.model import kernels
-    from restartkit.reference.runtime.engine import Engine, EngineOptions
+    from restartkit.reference.sched.engine import Engine, EngineOptions
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--device", default="cuda")

@@ -262,6 +262,33 @@ def test_the_reference_engine_is_in_folders_by_role():
                                for n in names), f"{path.name} imports {names}"
 
 
+def test_the_reference_engine_has_one_owner_per_step():
+    """surface -> scheduler -> runner -> model: runtime/ imports nothing of the reference engine but model/ (and
+    itself), sched/ nothing of serving/; the surface submits and does admin work through the scheduler it holds,
+    never through the runner's."""
+    ref = ROOT / "restartkit" / "reference"
+    allowed = {"runtime": ("restartkit.reference.model", "restartkit.reference.runtime"),
+               "sched": ("restartkit.reference.model", "restartkit.reference.runtime", "restartkit.reference.sched")}
+    for room, ok in allowed.items():
+        for path in (ref / room).glob("*.py"):
+            for node in _runtime_imports(ast.parse(path.read_text())):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                inside = [n for n in names if n.startswith("restartkit.reference")]
+                assert all(n.startswith(ok) for n in inside), f"{room}/{path.name} imports {inside}"
+    steps = {"submit", "exclusive", "release_weights", "reattach_weights", "drop_kv_cache", "restore_kv_cache"}
+    for path in (ref / "serving").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        targets = {id(t) for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in steps:
+                owner = node.func.value
+                name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+                assert name == "scheduler", f"{path.name}:{node.lineno} {name}.{node.func.attr}() (not the scheduler)"
+            if isinstance(node, ast.Attribute) and node.attr == "scheduler" and id(node) not in targets:
+                assert getattr(node.value, "id", "") in ("st", "state", "self") or getattr(
+                    node.value, "attr", "") == "state", f"{path.name}:{node.lineno} reaches the engine's scheduler"
+
+
 def test_the_supervisor_does_one_job():
     """supervise's loop only: the held socket, the standby keeper, the start limit, the probes and its state file
     are classes of their own (restartkit/supervision/)."""

@@ -8,7 +8,7 @@ private loopback port only, never on the service's, until it is promoted (SIGUSR
 SIGUSR2: take the public port, SO_REUSEPORT).  `standby.json` in the state dir names it (PID and
 start ticks, what it was armed with: engine version, code, weights); `standby-status.json` is the
 engine's own account of its state (preparing, prepared, active, ready, failed).  At tensor parallel
-size > 1 its workers prepare with it and wait for rank 0's go (restartkit.reference.runtime.workers).
+size > 1 its workers prepare with it and wait for rank 0's go (restartkit.reference.serving.workers).
 """
 from __future__ import annotations
 

@@ -233,7 +233,7 @@ def test_a_chat_template_is_sized_before_it_allocates(template):
     """A rendering's size is checked before a repetition, a power or a join is made (it was checked as text
     came out, after 11.7 GB had been allocated): a 400 at once, with little memory."""
     import tracemalloc
-    from restartkit.reference.serving.completions import BadRequest, render_chat
+    from restartkit.reference.serving.protocol import BadRequest, render_chat
     tracemalloc.start()
     try:
         with pytest.raises(BadRequest) as e:

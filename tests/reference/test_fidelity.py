@@ -9,7 +9,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from restartkit.reference.runtime.engine import Engine, EngineOptions  # noqa: E402
+from restartkit.reference.sched.engine import Engine, EngineOptions  # noqa: E402
 from restartkit.reference.model.llama import ModelConfig, UnsupportedConfig  # noqa: E402
 from tests.hf import checkpoint  # noqa: E402
 
@@ -28,7 +28,7 @@ def reference_ids(model, path) -> list[list[int]]:
 
 def engine_ids(path) -> list[list[int]]:
     from tokenizers import Tokenizer
-    from restartkit.reference.serving.completions import encode_prompt
+    from restartkit.reference.serving.protocol import encode_prompt
     eng = Engine(EngineOptions(model=str(path), max_model_len=128, dtype="float32"))
     eng.start()
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))

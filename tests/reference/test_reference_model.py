@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from restartkit.reference.model.checkpoint import shard_files, tensor_shapes, write_checkpoint
-from restartkit.reference.runtime.engine import Engine, EngineOptions
+from restartkit.reference.sched.engine import Engine, EngineOptions
 from restartkit.reference.model.llama import ModelConfig
 
 

@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from restartkit.reference.runtime.engine import Engine, EngineOptions
+from restartkit.reference.sched.engine import Engine, EngineOptions
 from restartkit.reference.sched.scheduler import Scheduler
 from restartkit.reference.sched.sequence import Sampling, Sequence
 from tests.helpers import serve_reference

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.generation import logits_process as lp  # noqa: E402
 
-from restartkit.reference.runtime.engine import Engine, EngineOptions  # noqa: E402
+from restartkit.reference.sched.engine import Engine, EngineOptions  # noqa: E402
 from restartkit.reference.sched.sequence import Sampling, Sequence, process, warp  # noqa: E402
 from tests.hf import checkpoint  # noqa: E402
 from tests.helpers import serve_reference  # noqa: E402

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from restartkit.reference.model.checkpoint import write_checkpoint
-from restartkit.reference.runtime.engine import Engine, EngineOptions
+from restartkit.reference.sched.engine import Engine, EngineOptions
 from tests.helpers import run_cli
 
 PROMPTS = [[256, 10, 20, 30, 40], [256, 1], [256, 99, 98, 97, 96, 95, 94, 93, 92]]

@@ -21,7 +21,7 @@ greedy token can depend on the batch it was computed in (a matrix product's summ
 changes with its row count), and the canary must compare like with like across restarts.
 
 Admin work that needs the engine to itself (sleep, a KV-cache drop before a snapshot, a weight
-release) goes through `exclusive()`: no sequence joins, the running ones finish, the work runs.
+release) goes through the scheduler's `exclusive()`: no sequence joins, the running ones finish, the work runs.
 """
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ class EngineGone(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, engine, max_num_seqs: int, max_waiting: int, prefill_chunk: int = PREFILL_CHUNK):
-        self.engine = engine
+    def __init__(self, runner, max_num_seqs: int, max_waiting: int, prefill_chunk: int = PREFILL_CHUNK):
+        self.runner = runner  # the model runner (restartkit.reference.runtime.runner) whose steps this runs
         self.max_num_seqs, self.max_waiting, self.prefill_chunk = max_num_seqs, max_waiting, prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -94,12 +94,29 @@ class Scheduler:
             while self.running:
                 self.cond.wait()
         try:
-            with self.engine.lock:
+            with self.runner.lock:
                 yield
         finally:
             with self.cond:
                 self.paused -= 1
                 self.cond.notify_all()
+
+    # ---- admin work: the runner's memory, with the engine to itself --------------------------
+    def drop_kv_cache(self) -> int:
+        with self.exclusive():
+            return self.runner.drop_kv_cache()
+
+    def restore_kv_cache(self) -> None:
+        with self.exclusive():
+            self.runner.restore_kv_cache()
+
+    def release_weights(self) -> dict:
+        with self.exclusive():
+            return self.runner.release_weights()
+
+    def reattach_weights(self, fallback: bool = False) -> dict:
+        with self.exclusive():
+            return self.runner.reattach_weights(fallback=fallback)
 
     # ---- the loop ------------------------------------------------------------------------
     def start(self) -> None:
@@ -116,7 +133,7 @@ class Scheduler:
     def run(self) -> None:
         while self._work_to_do():
             try:
-                with self.engine.lock:
+                with self.runner.lock:
                     self.step()
             except Exception as e:  # a failed step fails the sequences in it, never the loop
                 self._fail_running(e)
@@ -141,7 +158,7 @@ class Scheduler:
                 continue
             if self.running and (head.isolated or self.running[0].isolated):
                 break  # an isolated sequence waits for an empty batch, and keeps it to itself
-            if not self.engine.can_serve():
+            if not self.runner.can_serve():
                 self._hold_or_fail()
                 break
             self.unservable_since = None
@@ -170,15 +187,15 @@ class Scheduler:
             self._leave(seq, "cancelled")
         if not self.running:
             return
-        if not self.engine.can_serve():
+        if not self.runner.can_serve():
             raise EngineGone("the engine holds no weights or KV cache")
         self.counts["steps"] += 1
         if len(self.running) > 1:
             for seq in self.running:
                 seq.shared = True
-        if self.running[0].isolated and self.engine.draft is not None and self.running[0].sampling.plain_greedy:
+        if self.running[0].isolated and self.runner.draft is not None and self.running[0].sampling.plain_greedy:
             seq = self.running[0]  # speculative decoding: the draft and this model, the whole sequence at once
-            self.engine.speculate(seq)
+            self.runner.speculate(seq)
             self._leave(seq, None)
             return
         joining = next((s for s in self.running if s.prefilling), None)
@@ -194,7 +211,7 @@ class Scheduler:
     def _prefill_chunk(self, seq: Sequence) -> None:
         start = seq.prefilled
         end = min(len(seq.prompt), start + self.prefill_chunk)
-        logits = self.engine.prefill(seq.slot, seq.prompt[start:end], start)
+        logits = self.runner.prefill(seq.slot, seq.prompt[start:end], start)
         seq.prefilled = end
         self.counts["prefill_tokens"] += end - start
         if not seq.prefilling:  # its first token, from the prompt's last position
@@ -212,7 +229,7 @@ class Scheduler:
             if not seqs:
                 return
             args = [s.slot for s in seqs], [s.tokens[-1] for s in seqs], [s.position for s in seqs]
-        rows = self.engine.decode(*args).float().cpu()
+        rows = self.runner.decode(*args).float().cpu()
         for i, seq in enumerate(seqs):
             self._take(seq, rows[i])
 
@@ -228,9 +245,9 @@ class Scheduler:
                 self._decode_greedy(seqs, [s.slot for s in seqs], [s.tokens[-1] for s in seqs],
                                     [s.position for s in seqs])
             return
-        step = ahead[1] if ahead is not None else self.engine.launch_greedy(slots, tokens, positions)
+        step = ahead[1] if ahead is not None else self.runner.launch_greedy(slots, tokens, positions)
         if self._may_run_ahead(seqs):
-            self._ahead = seqs, self.engine.launch_greedy(slots, None, [p + 1 for p in positions], chained=True)
+            self._ahead = seqs, self.runner.launch_greedy(slots, None, [p + 1 for p in positions], chained=True)
             self.counts["ahead"] += 1
         for seq, token in zip(seqs, step.tokens(slots)):
             self._took(seq, token, None, None)
@@ -238,7 +255,7 @@ class Scheduler:
     def _may_run_ahead(self, seqs: list[Sequence]) -> bool:
         """Whether the next step may start before this one's tokens are read: the engine's launch does not
         wait, nothing waits for a free slot, and no sequence ends by max_tokens at this step's token."""
-        return (self.engine.runs_ahead and not (self.waiting and self.free_slots)
+        return (self.runner.runs_ahead and not (self.waiting and self.free_slots)
                 and all(len(s.tokens) + 1 < s.sampling.max_tokens and not s.cancelled.is_set() for s in seqs))
 
     def _collect_ahead(self) -> None:
@@ -257,11 +274,11 @@ class Scheduler:
             step.wait()
 
     def _take(self, seq: Sequence, row) -> None:
-        token, logprob, top = choose(seq, row, self.engine.options.seed, self.engine.config.eos_token_ids)
+        token, logprob, top = choose(seq, row, self.runner.options.seed, self.runner.config.eos_token_ids)
         self._took(seq, token, logprob, top)
 
     def _took(self, seq: Sequence, token: int, logprob, top) -> None:
-        eos = token in stops(seq, self.engine.config.eos_token_ids)
+        eos = token in stops(seq, self.runner.config.eos_token_ids)
         seq.tokens.append(token)
         seq.emit(Event(0, "token", token, logprob, top, eos=eos))
         if eos:
@@ -298,9 +315,9 @@ class Scheduler:
             self._leave(seq, "cancelled")
 
 
-def run_alone(engine, seq: Sequence) -> None:
+def run_alone(runner, seq: Sequence) -> None:
     """Run one sequence to its end in this thread, in slot 0 (no scheduler is running: the warm-up)."""
-    sched = Scheduler(engine, 1, 1)
+    sched = Scheduler(runner, 1, 1)
     seq.slot = heapq.heappop(sched.free_slots)
     sched.running.append(seq)
     while sched.running:

@@ -1,5 +1,5 @@
 """The reference engine's admin routes (restartkit's own calls: its admin token, restartkit.guard.admin): stats,
-the KV cache and the weights let go and taken back for a snapshot, the held socket given up for a dump.  Mixed
+the KV cache and the weights let go and taken back for a snapshot (through the scheduler), the held socket given up for a dump.  Mixed
 into the HTTP handler (restartkit.reference.serving.api.Handler), as the OpenAI routes are."""
 from __future__ import annotations
 
@@ -22,21 +22,21 @@ class AdminRoutes:
         elif path == "/admin/release_weights":
             st.ready = False
             try:
-                self._send(200, st.engine.release_weights())
+                self._send(200, st.scheduler.release_weights())
             except ValueError as e:
                 st.ready = st.engine.model is not None
                 self._error(409, str(e), "conflict")
         elif path == "/admin/reattach_weights":
             fallback = bool((body or {}).get("fallback", False))
             try:
-                info = st.engine.reattach_weights(fallback=fallback)
+                info = st.scheduler.reattach_weights(fallback=fallback)
             except RuntimeError as e:  # the loader: the weight cache is gone or holds other weights
                 self._error(409, str(e), "conflict")
                 return
             st.ready = True
             self._send(200, {"load": info, "kv_cache_bytes": st.engine.model.kv_cache_bytes})
         elif path == "/admin/restore_kv_cache":
-            st.engine.restore_kv_cache()
+            st.scheduler.restore_kv_cache()
             st.ready = True
             self._send(200, {"kv_cache_bytes": st.engine.model.kv_cache_bytes})
         else:
@@ -112,8 +112,8 @@ class AdminRoutes:
                        held_socket=self.server.held,
                        weight_bytes=eng.weight_bytes(), kv_cache_bytes=eng.model.kv_cache_bytes,
                        cuda_graph=eng._graphs is not None)
-        if eng is not None and eng.scheduler is not None:
-            s = eng.scheduler
+        if st.scheduler is not None:
+            s = st.scheduler
             running, waiting = s.depth
             out["scheduler"] = {"running": running, "waiting": waiting, "max_num_seqs": s.max_num_seqs,
                                 "max_queued_seqs": s.max_waiting, **s.counts}
@@ -128,7 +128,6 @@ class AdminRoutes:
         return out
 
     def _admin_drop_kv(self):
-        eng = self.server.state.engine
         self.server.state.ready = False
-        freed = eng.drop_kv_cache()
+        freed = self.server.state.scheduler.drop_kv_cache()
         self._send(200, {"freed_bytes": freed})

@@ -7,7 +7,7 @@
                           stop_token_ids, ignore_eos, min_tokens; each choice also carries token_ids
   POST /v1/chat/completions   messages through the tokenizer's chat template; logprobs, top_logprobs,
                           max_completion_tokens, n, stop, stream and the sampling fields.  Any other field is a
-                          400 naming it (restartkit.reference.serving.completions); a 503 says Retry-After.
+                          400 naming it (restartkit.reference.serving.protocol); a 503 says Retry-After.
                           Served through the scheduler (restartkit.reference.sched): serving_completions.py
   POST /tokenize, /detokenize; GET /version, /metrics   utility_routes.py
   With --api-key: /v1/*, /tokenize and /detokenize want Authorization: Bearer <key> (401)
@@ -155,6 +155,7 @@ class State:
         self.admin_token: str | None = os.environ.get(ADMIN_TOKEN_ENV) or None
         self.metrics = EngineMetrics(self)  # /metrics
         self.engine = None
+        self.scheduler = None  # restartkit.reference.sched.scheduler.Scheduler: what requests and admin work go through
         self.tokenizer = None
         self.ready = False
         self.phases: dict[str, float] = {}
@@ -417,7 +418,7 @@ class Handler(CompletionRoutes, UtilityRoutes, AdminRoutes, BaseHTTPRequestHandl
         from restartkit.reference.runtime.sleep import SleepError
         eng = st.engine
         try:
-            with eng.exclusive():
+            with st.scheduler.exclusive():
                 if path == "/sleep":
                     level = int((query.get("level") or ["1"])[0])
                     st.ready = False

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 def _make_engine(args, draft: bool = False):
     """This rank's engine for the model, or for the draft model (no CUDA graph: speculative decoding runs it)."""
-    from restartkit.reference.runtime.engine import Engine, EngineOptions
+    from restartkit.reference.sched.engine import Engine, EngineOptions
 
     rank = args.worker_rank
     opts = EngineOptions(model=args.draft_model if draft else args.model, device=args.device, dtype=args.dtype,
@@ -127,7 +127,7 @@ def _load(args, state: State, outcome: dict, gate=None) -> None:
         engine = _make_engine(args)
         t0 = time.perf_counter()
         state.tokenizer = Tokenizer.from_file(os.path.join(args.model, "tokenizer.json"))
-        from restartkit.reference.serving.completions import chat_template
+        from restartkit.reference.serving.protocol import chat_template
         state.chat_template, state.special_tokens = chat_template(args.model)
         state.phases["tokenizer"] = round(time.perf_counter() - t0, 4)
         _start_engine(engine, args, gate)
@@ -136,9 +136,10 @@ def _load(args, state: State, outcome: dict, gate=None) -> None:
         return
     from restartkit.reference.sched.scheduler import Scheduler
     engine.run_ahead = {"auto": None, "on": True, "off": False}[args.run_ahead]
-    engine.scheduler = Scheduler(engine, args.max_num_seqs, args.max_queued_seqs)
-    engine.scheduler.start()
-    state.engine = engine
+    scheduler = Scheduler(engine, args.max_num_seqs, args.max_queued_seqs)
+    engine.scheduler = scheduler  # the engine's own generate goes through it too
+    scheduler.start()
+    state.engine, state.scheduler = engine, scheduler
     if args.enable_sleep_mode:
         if args.tensor_parallel_size > 1:
             outcome["error"] = "sleep mode is supported at tensor_parallel_size 1 only"

@@ -22,7 +22,7 @@ from restartkit.reference.serving.assemble import _load
 from restartkit.reference.serving.detach import Listeners
 from restartkit.reference.log import log
 from restartkit.reference.serving.ready import take_ready_fd
-from restartkit.reference.runtime.workers import _stop_workers, serve_worker, spawn_workers
+from restartkit.reference.serving.workers import _stop_workers, serve_worker, spawn_workers
 from restartkit.process.signals import block_stop_signals, next_stop_signal
 
 

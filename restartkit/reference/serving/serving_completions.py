@@ -35,10 +35,10 @@ class CompletionRoutes:
 
     def _complete(self, body: dict, chat: bool) -> None:
         """/v1/completions and /v1/chat/completions, streamed (server-sent events ending in [DONE]) or not;
-        n choices per prompt, stop strings, logprobs, echo (restartkit.reference.serving.completions)."""
-        from restartkit.reference.runtime.engine import EngineNotReady
+        n choices per prompt, stop strings, logprobs, echo (restartkit.reference.serving.protocol)."""
+        from restartkit.reference.runtime.runner import EngineNotReady
         from restartkit.reference.sched.scheduler import EngineGone, Overloaded
-        from restartkit.reference.serving.completions import BadRequest, encode_prompt, read_chat, read_completion
+        from restartkit.reference.serving.protocol import BadRequest, encode_prompt, read_chat, read_completion
         st = self.server.state
         if not self._serving() or self._wrong_model(body.get("model")):
             return
@@ -57,7 +57,7 @@ class CompletionRoutes:
             self._error(503, f"the engine is not ready: {e}", "unavailable")
             return
         try:
-            st.engine.scheduler.submit(seqs, first=self._canary())
+            st.scheduler.submit(seqs, first=self._canary())
         except Overloaded as e:
             self._error(503, f"the engine is busy: {e}", "unavailable")
             return
@@ -120,7 +120,7 @@ class CompletionRoutes:
         """The request's sequences (prompt by prompt, n choices each), checked against the engine and
         bounded: prompts x n x (prompt + max_tokens) tokens at most max_num_seqs x max_model_len."""
         from restartkit.reference.sched.sequence import Sampling, Sequence
-        from restartkit.reference.serving.completions import BadRequest
+        from restartkit.reference.serving.protocol import BadRequest
         eng = self.server.state.engine
         o = eng.options
         # restartkit's canary, and speculative decoding, run in a batch of their own (see sched.scheduler)
@@ -148,16 +148,16 @@ class CompletionRoutes:
             raise BadRequest(f"the request asks for up to {work} tokens (prompt and max_tokens, for each prompt and "
                              f"each of n choices); the limit is max_num_seqs x max_model_len = {limit}: ask for fewer "
                              "prompts, a smaller n or max_tokens", "max_tokens")
-        if len(seqs) > eng.scheduler.max_waiting and not self._canary():
+        if len(seqs) > self.server.state.scheduler.max_waiting and not self._canary():
             raise BadRequest(f"the request has {len(seqs)} sequences (prompts x n); at most "
-                             f"{eng.scheduler.max_waiting} can wait for the engine", "n")
+                             f"{self.server.state.scheduler.max_waiting} can wait for the engine", "n")
         return seqs
 
     def _collect(self, ask, seqs: list) -> tuple[list[dict], dict]:
         """Read the sequences' events until every choice has ended: text as it comes (streamed when asked,
         each chunk with the logprobs of the tokens its text completes), a stop string ending its choice
         (which is cancelled).  Returns the choices (not streamed) and the usage."""
-        from restartkit.reference.serving.completions import TextSoFar
+        from restartkit.reference.serving.protocol import TextSoFar
         st = self.server.state
         usage = {"prompt_tokens": sum(len(p) for p in ask.prompts) * ask.n, "completion_tokens": 0}
         by_index = {s.index: s for s in seqs}

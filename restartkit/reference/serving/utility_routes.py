@@ -71,7 +71,7 @@ class VllmNames:
 
 
 def _depth(state) -> tuple[int, int]:
-    sched = getattr(state.engine, "scheduler", None)
+    sched = state.scheduler
     return sched.depth if sched is not None else (0, 0)
 
 
@@ -92,7 +92,7 @@ class UtilityRoutes:
     def _tokenize(self, body: dict) -> None:
         """{"prompt": text, "add_special_tokens": true} or {"messages": [...]} (the chat template applied):
         the token ids, their count and max_model_len, as vLLM answers."""
-        from restartkit.reference.serving.completions import BadRequest, chat_ids
+        from restartkit.reference.serving.protocol import BadRequest, chat_ids
         st = self.server.state
         if not self._serving() or self._wrong_model(body.get("model")):
             return

@@ -1,4 +1,6 @@
-"""The reference engine's runtime: load, allocate, warm up, capture, generate.
+"""The reference engine's model runner: load, allocate, warm up, capture, and run the forward passes the
+scheduler asks for (prefill, decode); the memory it holds (KV cache, weights) let go and taken back.
+It knows nothing of sequences or requests: restartkit.reference.sched drives it.
 
 Init phases are timed one by one (weight load, KV-cache allocation, warm-up,
 CUDA-graph capture) so a restart's time can be taken apart afterwards.
@@ -34,15 +36,6 @@ class EngineOptions:
     max_num_seqs: int = 8  # KV-cache slots: the sequences that run at once (restartkit.reference.sched)
 
 
-@dataclass
-class Completion:
-    prompt_tokens: list[int]
-    tokens: list[int]
-    logprobs: list[float] | None
-    finish_reason: str
-    top_logprobs: list[dict[int, float]] | None = None  # per token: the k likeliest ids and their logprobs
-
-
 class EngineNotReady(RuntimeError):
     pass
 
@@ -52,7 +45,7 @@ CMD_EXIT, CMD_PREFILL, CMD_DROP_KV, CMD_RESTORE_KV, CMD_DECODE, CMD_SPECULATE = 
 
 
 @dataclass
-class Engine:
+class ModelRunner:
     options: EngineOptions
     config: ModelConfig = None
     model: LlamaForCausalLM = None
@@ -60,9 +53,8 @@ class Engine:
     load_info: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     _graphs: DecodeGraphs | None = None  # the decode step's CUDA graphs (one per batch size)
-    scheduler: object = None  # restartkit.reference.sched.Scheduler, once serving
     is_draft: bool = False  # a draft model: one KV-cache slot, run by its model's speculative decoding
-    draft: "Engine | None" = None  # a draft model: greedy requests decode speculatively with it
+    draft: "ModelRunner | None" = None  # a draft model: greedy requests decode speculatively with it
     spec_tokens: int = 3  # draft tokens proposed per round
     spec_counts: dict = field(default_factory=lambda: {"rounds": 0, "proposed": 0, "accepted": 0})
     run_ahead: bool | None = None  # None: where decode graphs run (see runs_ahead)
@@ -169,7 +161,12 @@ class Engine:
     def leads(self) -> bool:
         """Rank 0 of a tensor-parallel group, serving: it tells the other ranks each step it runs.  Before it
         serves (the warm-up) every rank runs the same steps by itself, in lockstep."""
-        return self.options.tp_size > 1 and self.options.tp_rank == 0 and self.scheduler is not None
+        return self.options.tp_size > 1 and self.options.tp_rank == 0 and self.serving
+
+    @property
+    def serving(self) -> bool:
+        """Whether a scheduler drives this runner (restartkit.reference.sched.engine says)."""
+        return False
 
     def can_serve(self) -> bool:
         return self.model is not None and self.model.cache_k is not None
@@ -236,8 +233,11 @@ class Engine:
 
     @torch.inference_mode()
     def warmup(self, max_tokens: int = 2) -> None:
-        """A real forward pass: /health says ready only after this ran."""
-        self.generate([self.config.bos_token_id, 1, 2, 3], max_tokens=max_tokens)
+        """A real forward pass, prefill then greedy decode steps in slot 0: /health says ready only after this ran."""
+        tokens = [self.config.bos_token_id, 1, 2, 3]
+        token = int(self.prefill(0, tokens, 0)[-1].argmax())
+        for position in range(len(tokens), len(tokens) + max_tokens - 1):
+            token = self.decode_greedy([0], [token], [position])[0]
 
     def capture_decode_graph(self) -> None:
         self._graphs = DecodeGraphs(self.model, self.device)
@@ -245,34 +245,7 @@ class Engine:
     def drop_graph(self) -> None:
         self._graphs = None
 
-    # ---- generation: the steps the scheduler runs --------------------------------------------
-    def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int | None = None,
-                 want_logprobs: bool = False, top_logprobs: int = 0, **sampling) -> Completion:
-        """One completion, in a batch of its own: through the scheduler once it runs, else in this thread
-        (the warm-up, tests); `sampling`: the rest of sched.sequence.Sampling (top_p, penalties, ...)."""
-        from restartkit.reference.sched.scheduler import run_alone
-        from restartkit.reference.sched.sequence import Sampling, Sequence
-        self.check_prompt(prompt, max_tokens)
-        seq = Sequence(list(prompt), Sampling(max_tokens, temperature, seed, want_logprobs, top_logprobs, **sampling),
-                       isolated=True, quiet=True)
-        if self.scheduler is not None:
-            self.scheduler.submit([seq])
-        else:
-            with self.lock:
-                run_alone(self, seq)
-        tokens, lps, tops, finish = [], [], [], "length"
-        while True:
-            ev = seq.events.get()
-            if ev.kind == "error":
-                raise ev.error
-            if ev.kind == "done":
-                finish = ev.finish
-                break
-            tokens.append(ev.token)
-            lps.append(ev.logprob)
-            tops.append(ev.top)
-        return Completion(list(prompt), tokens, lps if want_logprobs else None, finish, tops if top_logprobs else None)
-
+    # ---- the steps the scheduler runs ----------------------------------------------------------
     def check_prompt(self, prompt, max_tokens) -> None:
         if not self.can_serve():
             raise EngineNotReady("the engine holds no weights or KV cache")
@@ -340,13 +313,6 @@ class Engine:
         return self.model.decode(tokens, torch.tensor(positions, device=dev), torch.tensor(slots, device=dev),
                                  span=max(positions) + 1)
 
-    def speculate(self, seq) -> None:
-        """Greedy decoding of `seq` with the draft model proposing (restartkit.reference.runtime.speculative)."""
-        from restartkit.reference.runtime.speculative import speculate
-        if self.leads:
-            self._broadcast(CMD_SPECULATE, [seq.sampling.max_tokens, seq.slot], seq.prompt)
-        speculate(self, seq)
-
     # ---- tensor parallel: rank 0 tells the others what to run -------------------
     def _broadcast(self, cmd: int, args=(), payload=()) -> None:
         """A command, up to four integer arguments and a list of integers, from rank 0 to every rank."""
@@ -357,55 +323,15 @@ class Engine:
         if len(payload):
             dist.broadcast(torch.tensor(payload, dtype=torch.long), src=0, group=group)
 
-    def worker_loop(self) -> None:
-        """Ranks > 0: run what rank 0 broadcasts, until told to exit."""
-        import torch.distributed as dist
-
-        from restartkit.reference.sched.sequence import Sampling, Sequence
-        group = getattr(self, "_control", None)
-        while True:
-            header = torch.zeros(6, dtype=torch.long)
-            dist.broadcast(header, src=0, group=group)
-            cmd, n, a, b, _, _ = header.tolist()
-            payload = torch.zeros(n, dtype=torch.long)
-            if n:
-                dist.broadcast(payload, src=0, group=group)
-            data = payload.tolist()
-            if cmd == CMD_EXIT:
-                return
-            if cmd == CMD_PREFILL:
-                self.prefill(a, data, b)
-            elif cmd == CMD_DECODE:
-                self.decode(data[:a], data[a:2 * a], data[2 * a:])
-            elif cmd == CMD_SPECULATE:  # the same greedy steps as rank 0, its tokens kept here
-                seq = Sequence(data, Sampling(a))
-                seq.slot = b
-                self.speculate(seq)
-            elif cmd == CMD_DROP_KV:
-                self._drop_kv_locked()
-            elif cmd == CMD_RESTORE_KV:
-                self._restore_kv_locked()
-
-    def shutdown_workers(self) -> None:
-        if self.scheduler is not None:
-            self.scheduler.stop()
-        if self.options.tp_size > 1 and self.options.tp_rank == 0:
-            with self.lock:
-                self._broadcast(CMD_EXIT)
-
-    def exclusive(self):
-        """The engine to itself (a context): the scheduler's batch drained and paused, else its lock."""
-        return self.scheduler.exclusive() if self.scheduler is not None else self.lock
-
     # ---- memory -------------------------------------------------------------
     def drop_kv_cache(self) -> int:
-        """Free the KV cache and cached allocator blocks; returns bytes freed."""
-        with self.exclusive():
-            if self.options.tp_size > 1:
-                self._broadcast(CMD_DROP_KV)
-            freed = self._drop_kv_locked()
-            _trim_heap()
-            return freed
+        """Free the KV cache and cached allocator blocks, on every rank; returns bytes freed.  The caller holds
+        the engine (restartkit.reference.sched.scheduler.Scheduler.exclusive)."""
+        if self.options.tp_size > 1:
+            self._broadcast(CMD_DROP_KV)
+        freed = self._drop_kv_locked()
+        _trim_heap()
+        return freed
 
     def _drop_kv_locked(self) -> int:
         freed = self.model.kv_cache_bytes
@@ -416,10 +342,10 @@ class Engine:
         return freed
 
     def restore_kv_cache(self) -> None:
-        with self.exclusive():
-            if self.options.tp_size > 1:
-                self._broadcast(CMD_RESTORE_KV)
-            self._restore_kv_locked()
+        """The KV cache (and decode graphs) back, on every rank; the caller holds the engine."""
+        if self.options.tp_size > 1:
+            self._broadcast(CMD_RESTORE_KV)
+        self._restore_kv_locked()
 
     def _restore_kv_locked(self) -> None:
         if self.model.cache_k is None:
@@ -431,40 +357,40 @@ class Engine:
     def release_weights(self) -> dict:
         """Let go of the weights this engine maps from the weight cache (and of its KV cache):
         no tensor, mapping or handle of the arena is left in this process, so a snapshot of it
-        holds neither.  Only for weights that came from the weight cache: they can come back."""
+        holds neither.  Only for weights that came from the weight cache: they can come back.  The caller holds
+        the engine."""
         import gc
-        with self.exclusive():
-            if self.options.tp_size > 1 or self.draft is not None:
-                raise ValueError("weights are released at tensor_parallel_size 1 without a draft model only")
-            if self.model is None:
-                return {"weights_released_bytes": 0, "kv_cache_freed_bytes": 0, "already": True}
-            if self.load_info.get("source") != "ipc":
-                raise ValueError(f"the weights came from {self.load_info.get('source')}, not the weight cache: "
-                                 "there is nothing to re-attach them from")
-            freed_kv = self._drop_kv_locked()
-            nbytes = self.weight_bytes()
-            self.model = None
-            mapping, self._ipc_mapping = getattr(self, "_ipc_mapping", None), None
-            gc.collect()
-            if mapping is not None:
-                mapping.close()  # the memfd arena (CPU): unmapped; its fd was closed at attach
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-                torch.cuda.ipc_collect()  # the CUDA IPC handle: closed once no storage holds it
-            _trim_heap()  # freed host memory back to the kernel: CRIU dumps every page still mapped
-            return {"weights_released_bytes": nbytes, "kv_cache_freed_bytes": freed_kv}
+        if self.options.tp_size > 1 or self.draft is not None:
+            raise ValueError("weights are released at tensor_parallel_size 1 without a draft model only")
+        if self.model is None:
+            return {"weights_released_bytes": 0, "kv_cache_freed_bytes": 0, "already": True}
+        if self.load_info.get("source") != "ipc":
+            raise ValueError(f"the weights came from {self.load_info.get('source')}, not the weight cache: "
+                             "there is nothing to re-attach them from")
+        freed_kv = self._drop_kv_locked()
+        nbytes = self.weight_bytes()
+        self.model = None
+        mapping, self._ipc_mapping = getattr(self, "_ipc_mapping", None), None
+        gc.collect()
+        if mapping is not None:
+            mapping.close()  # the memfd arena (CPU): unmapped; its fd was closed at attach
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.ipc_collect()  # the CUDA IPC handle: closed once no storage holds it
+        _trim_heap()  # freed host memory back to the kernel: CRIU dumps every page still mapped
+        return {"weights_released_bytes": nbytes, "kv_cache_freed_bytes": freed_kv}
 
     def reattach_weights(self, fallback: bool = False) -> dict:
         """Map the weights from the weight cache again (after a restore, in the restored process),
-        then the KV cache and the decode graph; returns how the weights came (load_info)."""
-        with self.exclusive():
-            if self.model is None:
-                t0 = time.perf_counter()
-                self._weights(fallback=fallback)
-                self.load_info["reattach_s"] = round(time.perf_counter() - t0, 4)
-            self._restore_kv_locked()
-            return dict(self.load_info)
+        then the KV cache and the decode graph; returns how the weights came (load_info).  The caller holds the
+        engine."""
+        if self.model is None:
+            t0 = time.perf_counter()
+            self._weights(fallback=fallback)
+            self.load_info["reattach_s"] = round(time.perf_counter() - t0, 4)
+        self._restore_kv_locked()
+        return dict(self.load_info)
 
     def weight_bytes(self) -> int:
         if self.model is None:
