@@ -365,7 +365,8 @@ class Handler(CompletionRoutes, UtilityRoutes, AdminRoutes, BaseHTTPRequestHandl
             if not self._serving():  # clients take a model list as "ready": not before a completion would work
                 return
             self._send(200, {"object": "list", "data": [
-                {"id": st.model_name, "object": "model", "created": int(st.started_at), "owned_by": "restartkit"}]})
+                {"id": st.model_name, "object": "model", "created": int(st.started_at), "owned_by": "restartkit",
+                 "max_model_len": st.engine.options.max_model_len}]})  # as vLLM's list says it
         elif path == "/version":
             self._version()
         elif path == "/metrics":

@@ -58,6 +58,7 @@ class Ask:
     include_usage: bool
     chat: bool
     sampling: dict = field(default_factory=dict)  # top_p .. min_tokens (sched.sequence.Sampling's names)
+    token_ids: bool = False  # return_token_ids (vLLM's): each choice, and each streamed chunk, carries its token ids
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -106,7 +107,10 @@ def _common(body: dict, chat: bool) -> dict:
     opts = body.get("stream_options")
     if opts is not None and (not stream or not isinstance(opts, dict) or set(opts) - {"include_usage"}):
         raise BadRequest("stream_options takes include_usage only, and only with stream: true", "stream_options")
-    return {"max_tokens": max_tokens, "temperature": float(temperature), "seed": seed,
+    token_ids = body.get("return_token_ids") or False
+    if not isinstance(token_ids, bool):
+        raise BadRequest("return_token_ids must be true or false", "return_token_ids")
+    return {"max_tokens": max_tokens, "temperature": float(temperature), "seed": seed, "token_ids": token_ids,
             "n": _int(body, "n", 1, 1, MAX_N), "stop": stop, "stream": stream,
             "include_usage": bool((opts or {}).get("include_usage")), "sampling": _sampling(body, max_tokens)}
 
@@ -340,10 +344,12 @@ class TextSoFar:
     """The completion's text as its tokens come (each token the scheduler sends): what may be sent already
     (not a byte of a character still incomplete, not what may turn out to start a stop string), and
     where a stop string ends it (OpenAI leaves the stop string out of the text).  `send(piece)`: the
-    piece covers the tokens seen so far (their logprobs go with it)."""
+    piece covers the tokens seen so far (their logprobs go with it).  `aligned`: text is let go only where
+    it is the whole text of the tokens so far (nothing held back), so each piece ends at a token boundary
+    (streams that carry token ids: their reader may continue the request from them, restartkit.front)."""
 
-    def __init__(self, tokenizer, stop: list[str], send=None):
-        self.tokenizer, self.stop, self.send = tokenizer, stop, send
+    def __init__(self, tokenizer, stop: list[str], send=None, aligned: bool = False):
+        self.tokenizer, self.stop, self.send, self.aligned = tokenizer, stop, send, aligned
         self.tokens: list[int] = []
         self.logprobs: list[float | None] = []
         self.top_logprobs: list[dict | None] = []
@@ -366,6 +372,8 @@ class TextSoFar:
                 if full.endswith(s[:k]):
                     safe = min(safe, len(full) - k)
                     break
+        if self.aligned and safe < len(full):
+            safe = self.sent  # wait until this token's text is whole
         self._send(safe)
         return self.gone  # a client gone: no use computing more
 

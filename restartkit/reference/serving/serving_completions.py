@@ -65,7 +65,8 @@ class CompletionRoutes:
             if ask.stream:
                 self._events_begin()
                 if chat:  # the assistant's turn opens
-                    self._event(self._chunk(ask, 0, {"role": "assistant", "content": ""}, None))
+                    self._event(self._chunk(ask, 0, {"role": "assistant", "content": ""}, None,
+                                            ids=[] if ask.token_ids else None, prompt=seqs[0].prompt))
             choices, usage = self._collect(ask, seqs)
         except (EngineGone, EngineNotReady) as e:  # asleep, or its cache dropped, after the check above
             if not ask.stream:  # a stream ends without [DONE]: the client sees it cut
@@ -163,10 +164,10 @@ class CompletionRoutes:
         by_index = {s.index: s for s in seqs}
         state: dict[int, _Choice] = {}
         for seq in seqs:
-            so_far = TextSoFar(st.tokenizer, ask.stop)
+            so_far = TextSoFar(st.tokenizer, ask.stop, aligned=ask.stream and ask.token_ids)
             c = state[seq.index] = _Choice(so_far, seq.prompt)
             if ask.stream:
-                so_far.send = _Streamed(self, ask, seq.index, so_far)
+                so_far.send = _Streamed(self, ask, seq.index, so_far, seq.prompt)
                 if ask.echo:
                     self._event(self._chunk(ask, seq.index, ask.prompt_texts[seq.index // ask.n], None))
         choices, left, events, checked = {}, set(by_index), seqs[0].events, time.monotonic()
@@ -215,7 +216,8 @@ class CompletionRoutes:
         if ask.stream:
             stream = c.so_far.send
             self._event(self._chunk(ask, index, {} if ask.chat else "", finish,
-                                    stream.logprobs(comp.tokens, comp.logprobs, comp.top_logprobs)))
+                                    stream.logprobs(comp.tokens, comp.logprobs, comp.top_logprobs), stream.ids(comp.tokens),
+                                    None if stream.opened else stream.prompt))
             return None
         echo = ask.prompt_texts[index // ask.n] if ask.echo else ""
         return self._choice(ask, index, echo + text, finish, comp)
@@ -233,12 +235,18 @@ class CompletionRoutes:
         return {"id": f"{'chatcmpl' if ask.chat else 'cmpl'}-{ask.id}", "object": kind, "created": ask.created,
                 "model": self.server.state.model_name}
 
-    def _chunk(self, ask, index: int, piece, finish, logprobs=None) -> dict:
+    def _chunk(self, ask, index: int, piece, finish, logprobs=None, ids=None, prompt=None) -> dict:
+        """`ids`: the tokens this chunk's text completes (return_token_ids), `prompt`: the prompt's, in a
+        choice's first chunk."""
         if ask.chat:
             delta = piece if isinstance(piece, dict) else {"content": piece}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": piece, "logprobs": logprobs, "finish_reason": finish}
+        if ask.token_ids and ids is not None:
+            choice["token_ids"] = ids
+            if prompt is not None:
+                choice["prompt_token_ids"] = prompt
         return {**self._head(ask, chunk=True), "choices": [choice]}
 
     def _choice(self, ask, index: int, text: str, finish: str, comp) -> dict:
@@ -285,14 +293,24 @@ class _Streamed:
     """One streamed choice: each piece of text TextSoFar lets go is a chunk, with the logprobs of the
     tokens it completes (when asked), their text offsets running on from the chunk before."""
 
-    def __init__(self, handler, ask, index: int, so_far):
-        self.handler, self.ask, self.index, self.so_far = handler, ask, index, so_far
+    def __init__(self, handler, ask, index: int, so_far, prompt: list[int]):
+        self.handler, self.ask, self.index, self.so_far, self.prompt = handler, ask, index, so_far, prompt
+        self.opened = ask.chat  # chat's first chunk (the assistant's role) carried the prompt's ids
         self.done, self.at = 0, 0  # tokens whose logprobs were sent; the text offset after them
+        self.ids_sent = 0  # tokens whose ids were sent (return_token_ids)
 
     def __call__(self, piece: str) -> None:
         sf = self.so_far
         lps = self.logprobs(sf.tokens, sf.logprobs, sf.top_logprobs if self.ask.top_logprobs else None)
-        self.handler._event(self.handler._chunk(self.ask, self.index, piece, None, lps))
+        prompt, self.opened = (None if self.opened else self.prompt), True
+        self.handler._event(self.handler._chunk(self.ask, self.index, piece, None, lps, self.ids(sf.tokens), prompt))
+
+    def ids(self, tokens: list[int]) -> list[int] | None:
+        """tokens[ids_sent:] (None when not asked), counted as sent."""
+        if not self.ask.token_ids:
+            return None
+        first, self.ids_sent = self.ids_sent, len(tokens)
+        return list(tokens[first:])
 
     def logprobs(self, tokens: list[int], lps: list | None, tops: list | None) -> dict | None:
         """The logprobs of tokens[done:] (None when not asked, or none is left), counted as sent."""

@@ -1,0 +1,52 @@
+"""python -m restartkit.front --fd N | --listen HOST:PORT --upstream http://127.0.0.1:PORT"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+
+from aiohttp import web
+
+from restartkit.front.proxy import Front
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m restartkit.front")
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--fd", type=int, help="a listening socket given to the front (held by supervise)")
+    where.add_argument("--listen", help="HOST:PORT to bind")
+    ap.add_argument("--upstream", required=True, help="the engine's address, e.g. http://127.0.0.1:8001")
+    ap.add_argument("--wait-s", type=float, default=60.0, help="how long a request waits for an engine")
+    ap.add_argument("--max-in-flight", type=int, default=4096, help="requests held at once; past it: 503")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="front: %(message)s")  # aiohttp's errors, if any
+    if a.fd is not None:
+        sock = socket.socket(fileno=a.fd)
+    else:
+        host, _, port = a.listen.rpartition(":")
+        sock = socket.create_server((host or "127.0.0.1", int(port)), reuse_port=False, backlog=1024)
+    sock.setblocking(False)
+    front = Front(a.upstream, a.wait_s, a.max_in_flight, say=lambda m: print(m, file=sys.stderr, flush=True))
+    asyncio.run(_serve(front, sock))
+    return 0
+
+
+async def _serve(front: Front, sock: socket.socket) -> None:
+    runner = web.AppRunner(front.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    print(f"front: answering on {sock.getsockname()[0]}:{sock.getsockname()[1]}, forwarding to {front.upstream}",
+          file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

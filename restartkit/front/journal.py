@@ -1,0 +1,133 @@
+"""What the front knows of each request in flight: enough to continue it on another engine.
+
+A journalled request is one choice (n = 1) of a completion or a chat completion, without logprobs or echo.
+The engine is asked for its token ids (`return_token_ids`, as vLLM names it) and streams them with the text;
+the reference engine releases text only at a token boundary when asked for ids, so after every chunk the
+text the client has is exactly the text of the ids the journal holds.  A continuation is then a completion
+whose prompt is the prompt's token ids and the ids so far, for the tokens left (restartkit.front.proxy).
+
+What a continuation means: for greedy requests, and seeded sampling on the reference engine (each token's
+randomness comes from the seed and its position), the whole answer is the one an undisturbed engine gives.
+Unseeded sampling continues with fresh randomness: the tokens delivered stand, the rest is a different draw.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+# what makes a request one the front cannot continue (it is forwarded as it is, and lost if its engine dies)
+NOT_JOURNALLED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "response_format", "tools",
+                  "prompt_embeds")
+
+
+class CannotContinue(Exception):
+    """The request cannot be continued on another engine (its reason is the client's error event)."""
+
+
+@dataclass
+class Flight:
+    chat: bool
+    body: dict  # the client's request, as sent
+    stream: bool
+    prompt_ids: list[int] | None = None  # the prompt's token ids (chat: the rendered conversation), once known
+    ids: list[int] = field(default_factory=list)  # the generated tokens the client has (or will get with the answer)
+    text: str = ""  # their text
+    finish: str | None = None
+    head: dict | None = None  # the first answer's id, created and model: every chunk after keeps them
+    role_sent: bool = False
+    resumed: int = 0  # continuations made
+    answering: bool = False  # an engine answers it now
+    client: object = None  # the client's streamed response (aiohttp's StreamResponse), once begun
+    ended: bool = False  # the client's stream has its finish chunk
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def max_tokens(self) -> int | None:
+        key = "max_completion_tokens" if self.chat and self.body.get("max_completion_tokens") is not None \
+            else "max_tokens"
+        value = self.body.get(key)
+        return 16 if value is None and not self.chat else value
+
+    def upstream_body(self) -> dict:
+        """The request the engine gets first: the client's, streamed, with token ids and usage."""
+        return {**self.body, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+
+    def continuation(self, max_model_len: int | None) -> tuple[str, dict]:
+        """(route, body) of the request that continues this one on the engine that now serves."""
+        if self.prompt_ids is None:  # nothing came back yet: the request itself again
+            return ("/v1/chat/completions" if self.chat else "/v1/completions"), self.upstream_body()
+        left = self.max_tokens
+        if left is None:  # chat without a limit: as many as the engine's max_model_len leaves
+            if not max_model_len:
+                raise CannotContinue("the engine does not say its max_model_len, and the request set no max_tokens")
+            left = max_model_len - len(self.prompt_ids)
+        left -= len(self.ids)
+        if max_model_len and len(self.prompt_ids) + len(self.ids) + max(left, 1) > max_model_len:
+            raise CannotContinue(f"the prompt and the {len(self.ids)} tokens generated so far leave no room under "
+                                 f"max_model_len ({max_model_len})")
+        body = {k: v for k, v in self.body.items() if k not in (
+            "messages", "prompt", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options", "user",
+            "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")}
+        if "min_tokens" in body:
+            body["min_tokens"] = max(0, int(body["min_tokens"]) - len(self.ids))
+        body.update(prompt=self.prompt_ids + self.ids, max_tokens=left, stream=True, return_token_ids=True,
+                    stream_options={"include_usage": True})
+        return "/v1/completions", body
+
+    def usage(self) -> dict:
+        p, c = len(self.prompt_ids or ()), len(self.ids)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def chunk(self, piece: str, finish: str | None, ids: list[int], first: dict | None = None) -> dict:
+        """A chunk for the client in the first answer's shape (chat: a delta), whichever engine made it."""
+        head = self.head or {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+                             "created": int(time.time()), "model": self.body.get("model")}
+        if self.chat:
+            delta = {"content": piece} if piece or finish is None else {}
+            if not self.role_sent:
+                delta, self.role_sent = {"role": "assistant", **delta}, True
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
+        if self.body.get("return_token_ids"):
+            choice["token_ids"] = ids
+        out = {"id": head["id"], "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": head["created"], "model": head["model"], "choices": [choice]}
+        if first is not None and self.body.get("return_token_ids"):
+            out["prompt_token_ids"] = first
+        return out
+
+    def answer(self) -> dict:
+        """The whole answer, for a client that did not stream."""
+        head = self.head or {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
+                             "model": self.body.get("model")}
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": self.text}, "logprobs": None,
+                      "finish_reason": self.finish}
+        else:
+            choice = {"index": 0, "text": self.text, "logprobs": None, "finish_reason": self.finish}
+        if self.body.get("return_token_ids"):
+            choice["token_ids"] = list(self.ids)
+            if not self.chat:
+                choice["prompt_token_ids"] = list(self.prompt_ids or ())
+        return {"id": head["id"], "object": "chat.completion" if self.chat else "text_completion",
+                "created": head["created"], "model": head["model"], "choices": [choice], "usage": self.usage()}
+
+
+def journalled(body) -> bool:
+    """Whether the front can continue this request on another engine (see the module's docstring)."""
+    if not isinstance(body, dict) or body.get("n", 1) not in (1, None):
+        return False
+    if any(body.get(k) not in (None, False, 0) for k in NOT_JOURNALLED):
+        return False
+    prompt = body.get("prompt")
+    if "messages" not in body and not (isinstance(prompt, str) or (
+            isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt))):
+        return False  # several prompts in one request
+    return True
+
+
+def sse(obj) -> bytes:
+    return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"

@@ -1,0 +1,294 @@
+"""The front: an HTTP server (aiohttp) that answers the service's clients and forwards to the engine that serves,
+on the engine's own socket.  A completion in flight when its engine dies is continued on the engine that serves
+next (restartkit.front.journal): its client sees a pause, not an error.
+
+Forwarded: /v1/completions and /v1/chat/completions (journalled where they can be continued), /v1/models,
+/tokenize, /detokenize, /health, /metrics (with the front's own counters appended), /version; /front/status is its
+own.  Refused by name: restartkit's admin routes and sleep mode's, and anything else.  It imports no torch: it
+starts in milliseconds.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+from aiohttp import web
+
+from restartkit.front.journal import CannotContinue, Flight, journalled, sse
+
+FORWARDED = {("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/health"),
+             ("GET", "/metrics"), ("GET", "/version"), ("GET", "/ping")}
+JOURNALLED = {"/v1/completions": False, "/v1/chat/completions": True}
+REFUSED_PREFIXES = ("/admin", "/sleep", "/wake_up", "/is_sleeping", "/collective_rpc", "/reset_prefix_cache")
+HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "x-restartkit-admin"}
+RETRY_PAUSE_S = 0.05
+
+
+class EngineDied(Exception):
+    """The engine's answer broke off (its connection reset or closed before the end)."""
+
+
+class Front:
+    def __init__(self, upstream: str, wait_s: float = 60.0, max_in_flight: int = 4096, say=print):
+        self.upstream, self.wait_s, self.max_in_flight, self.say = upstream.rstrip("/"), wait_s, max_in_flight, say
+        self.counts = {"requests": 0, "journalled": 0, "resumed": 0, "continuations": 0, "lost": 0, "refused": 0,
+                       "waited_out": 0}
+        self.in_flight = 0  # journalled requests the front holds (waiting for an engine, or answered by one)
+        self.max_model_len: int | None = None
+        self.session: aiohttp.ClientSession | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_route("*", "/{tail:.*}", self.route)
+        app.on_startup.append(self._open)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _open(self, _app) -> None:
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+                                             auto_decompress=False)
+
+    async def _close(self, _app) -> None:
+        await self.session.close()
+
+    # ---- routing ----------------------------------------------------------------------------
+    async def route(self, request: web.Request) -> web.StreamResponse:
+        path, method = request.path, request.method
+        if path.startswith(REFUSED_PREFIXES):
+            return _error(403, f"{path} is an engine admin route: restartkit calls it on the engine's own socket; "
+                               "it is never reachable through the service's front", "forbidden")
+        if path == "/front/status":  # the front's own: it answers, and what it counted
+            return web.json_response({"upstream": self.upstream, "in_flight": self.in_flight, **self.counts})
+        if method == "POST" and path in JOURNALLED:
+            self.counts["requests"] += 1
+            return await self.completion(request, JOURNALLED[path])
+        if (method, path) in FORWARDED or (method == "HEAD" and path == "/health"):
+            return await self.forward(request)
+        return _error(404, f"{method} {path} is not a route the front forwards (the OpenAI routes, /tokenize, "
+                           "/detokenize, /health and /metrics are)", "not_found")
+
+    async def forward(self, request: web.Request) -> web.Response:
+        """A short request passed through as it is, waiting while no engine serves."""
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            try:
+                async with self.session.request(request.method, self.upstream + request.path_qs, data=body,
+                                                headers=headers, timeout=self._left(deadline)) as r:
+                    data = await r.read()
+                    if request.path == "/metrics" and r.status == 200:
+                        data += self.metrics().encode()
+                    return web.Response(status=r.status, body=data,
+                                        headers={"Content-Type": r.headers.get("Content-Type", "application/json")})
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+                if time.monotonic() >= deadline:
+                    return self._waited_out(e)
+                await asyncio.sleep(RETRY_PAUSE_S)
+
+    # ---- completions --------------------------------------------------------------------------
+    async def completion(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return _error(400, "the request body is not JSON", "invalid_request_error")
+        if not journalled(body):
+            return await self.passthrough(request, raw)
+        if self.in_flight >= self.max_in_flight:
+            self.counts["refused"] += 1
+            return _error(503, f"the front holds {self.in_flight} requests already (its limit)", "unavailable",
+                          retry_after=self.wait_s)
+        self.counts["journalled"] += 1
+        self.in_flight += 1
+        try:
+            return await self._journalled(request, chat, body)
+        finally:
+            self.in_flight -= 1
+
+    async def _journalled(self, request: web.Request, chat: bool, body: dict) -> web.StreamResponse:
+        flight = Flight(chat=chat, body=body, stream=bool(body.get("stream")), role_sent=not chat)
+        route, upstream_body = ("/v1/chat/completions" if chat else "/v1/completions"), flight.upstream_body()
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            had = len(flight.ids)
+            try:
+                await self._relay(request, flight, route, upstream_body, deadline)
+                break
+            except _Refusal as e:  # the engine answered with an error: the client gets it
+                if (client := flight.client) is None:
+                    return web.Response(status=e.status, body=e.body, content_type="application/json")
+                await _end_with_error(client, e.body.decode(errors="replace"))
+                return client
+            except (EngineDied, aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+                if flight.finish is None and flight.max_tokens is not None and len(flight.ids) >= flight.max_tokens:
+                    flight.finish = "length"  # every token came; only the end of the answer did not
+                if flight.finish is not None:
+                    if flight.stream and flight.client is not None and not flight.ended:
+                        await _to_client(flight.client, sse(flight.chunk("", flight.finish, [])))
+                    break
+                if len(flight.ids) > had:  # it got somewhere: the next engine gets the whole wait again
+                    deadline = time.monotonic() + self.wait_s
+                elif time.monotonic() >= deadline:
+                    if flight.head is None and flight.client is None:
+                        return self._waited_out(e)
+                    return await self._lost(flight.client, flight, f"no engine answered within {self.wait_s:g} s ({e})")
+                try:
+                    route, upstream_body = flight.continuation(await self._max_model_len())
+                except CannotContinue as why:
+                    return await self._lost(flight.client, flight, str(why))
+                if flight.answering:  # an engine was answering it, and died
+                    flight.answering = False
+                    flight.resumed += 1
+                    self.counts["continuations"] += 1
+                await asyncio.sleep(RETRY_PAUSE_S)
+        if flight.resumed:
+            self.counts["resumed"] += 1
+        if (client := flight.client) is None:  # not streamed: one whole answer
+            return web.json_response(flight.answer())
+        if (flight.body.get("stream_options") or {}).get("include_usage"):
+            head = flight.chunk("", None, [])
+            await client.write(sse({**head, "choices": [], "usage": flight.usage()}))
+        await client.write(sse(b"[DONE]"))
+        await client.write_eof()
+        return client
+
+    async def _relay(self, request, flight: Flight, route: str, body: dict, deadline: float) -> None:
+        """One engine's stream: each chunk journalled, and passed on to a streaming client in the first answer's
+        shape (flight.client, its response once begun); raises EngineDied if it broke off."""
+        async with self.session.post(self.upstream + route, json=body, timeout=self._left(deadline)) as r:
+            if r.status != 200:
+                data = await r.read()
+                if r.status == 503:  # no engine ready yet (loading, asleep): wait for one
+                    raise EngineDied(f"the engine answered 503: {data[:200]!r}")
+                raise _Refusal(r.status, data)
+            flight.answering = True
+            done = False
+            async for line in _sse_lines(r.content):
+                if line == b"[DONE]":
+                    done = True
+                    break
+                await self._take(request, flight, json.loads(line))
+            if not done:
+                raise EngineDied("the engine's stream ended before [DONE]")
+
+    async def _take(self, request, flight: Flight, chunk: dict) -> None:
+        if "error" in chunk and not chunk.get("choices"):
+            raise _Refusal(500, json.dumps(chunk).encode())
+        if flight.head is None:
+            flight.head = {k: chunk.get(k) for k in ("id", "created", "model")}
+        for choice in chunk.get("choices") or ():
+            prompt = choice.get("prompt_token_ids") or chunk.get("prompt_token_ids")
+            if prompt is not None and flight.prompt_ids is None:
+                flight.prompt_ids = list(prompt)
+            piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content") or ""
+            ids = list(choice.get("token_ids") or ())
+            flight.ids += ids
+            flight.text += piece or ""
+            finish = choice.get("finish_reason")
+            if finish is not None:
+                flight.finish = finish
+            if flight.stream and (piece or ids or finish or not flight.role_sent):
+                if flight.client is None:
+                    flight.client = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                                "Cache-Control": "no-cache"})
+                    await flight.client.prepare(request)
+                if piece or finish or not flight.role_sent or flight.body.get("return_token_ids"):
+                    await _to_client(flight.client, sse(flight.chunk(piece or "", finish, ids, prompt)))
+                    flight.ended = finish is not None
+
+    async def passthrough(self, request: web.Request, raw: bytes) -> web.StreamResponse:
+        """A request the front cannot continue: forwarded as it is, streamed back as it comes."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        try:
+            async with self.session.post(self.upstream + request.path, data=raw, headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=None, sock_read=None)) as r:
+                out = web.StreamResponse(status=r.status, headers={
+                    "Content-Type": r.headers.get("Content-Type", "application/json")})
+                await out.prepare(request)
+                async for data in r.content.iter_any():
+                    await out.write(data)
+                await out.write_eof()
+                return out
+        except (aiohttp.ClientError, ConnectionError) as e:
+            self.counts["lost"] += 1
+            self.say(f"front: a request it cannot continue (n > 1, logprobs or echo) was lost with its engine: {e}")
+            raise
+
+    # ---- what is lost, and counted -----------------------------------------------------------
+    async def _lost(self, client, flight: Flight, why: str):
+        self.counts["lost"] += 1
+        self.say(f"front: a request was lost after {len(flight.ids)} tokens: {why}")
+        message = f"the engine serving this request died and the request could not be continued: {why}"
+        if client is None:
+            return _error(503, message, "unavailable", retry_after=self.wait_s)
+        await _end_with_error(client, json.dumps({"error": {"message": message, "type": "unavailable"}}))
+        return client
+
+    def _waited_out(self, e) -> web.Response:
+        self.counts["waited_out"] += 1
+        return _error(503, f"no engine answered within {self.wait_s:g} s ({type(e).__name__})", "unavailable",
+                      retry_after=self.wait_s)
+
+    def metrics(self) -> str:
+        lines = []
+        for key, what in (("resumed", "requests continued on another engine after theirs died"),
+                          ("lost", "requests lost with their engine (not continued)"),
+                          ("journalled", "requests the front could continue"),
+                          ("waited_out", "requests answered 503 after waiting for an engine")):
+            name = f"restartkit_front_requests_{key}_total"
+            lines += [f"# HELP {name} {what}", f"# TYPE {name} counter", f"{name} {self.counts[key]}"]
+        return "\n".join(lines) + "\n"
+
+    async def _max_model_len(self) -> int | None:
+        if self.max_model_len is None:
+            try:
+                async with self.session.get(self.upstream + "/v1/models", timeout=self._left(
+                        time.monotonic() + self.wait_s)) as r:
+                    models = (await r.json()).get("data") or [{}]
+                    self.max_model_len = models[0].get("max_model_len")
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, ConnectionError):
+                return None
+        return self.max_model_len
+
+    @staticmethod
+    def _left(deadline: float) -> aiohttp.ClientTimeout:
+        """The wait for an answer's head (the engine may be restarting), and for each piece of it after."""
+        left = max(0.1, deadline - time.monotonic())  # a pause this long mid-answer is an engine stuck
+        return aiohttp.ClientTimeout(total=None, sock_connect=left, sock_read=left)
+
+
+class _Refusal(Exception):
+    def __init__(self, status: int, body: bytes):
+        super().__init__(status)
+        self.status, self.body = status, body
+
+
+async def _sse_lines(content: aiohttp.StreamReader):
+    """The data of each server-sent event."""
+    async for raw in content:
+        line = raw.strip()
+        if line.startswith(b"data:"):
+            yield line[5:].strip()
+
+
+async def _to_client(client: web.StreamResponse, data: bytes) -> None:
+    """A write to the client; its failure is the client gone (the request is then cancelled), never an engine's."""
+    try:
+        await client.write(data)
+    except (aiohttp.ClientError, ConnectionError) as e:
+        raise asyncio.CancelledError(f"the client left: {e}") from e
+
+
+async def _end_with_error(client: web.StreamResponse, error: str) -> None:
+    await client.write(b"data: " + error.encode() + b"\n\n")
+    await client.write(sse(b"[DONE]"))
+    await client.write_eof()
+
+
+def _error(status: int, message: str, kind: str, retry_after: float | None = None) -> web.Response:
+    headers = {"Retry-After": str(max(1, int(retry_after)))} if retry_after else None
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status,
+                             headers=headers)
