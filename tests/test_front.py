@@ -119,21 +119,21 @@ def test_requests_in_flight_survive_sigkills_of_the_serving_engine(supervised, m
     engine SIGKILLed 10 times mid-generation under supervise with a standby: no request fails, every answer is
     token-identical to the undisturbed one and whole (no token duplicated or missing)."""
     policy = ipc_policy(make_policy, sockdir)
+    port = free_port()  # the front's: supervise holds it and keeps the front on it
     policy.write_text(policy.read_text().replace("max_model_len = 256", "max_model_len = 512").replace(
         'engine_args = ["--threads", "1"]', 'engine_args = ["--threads", "1", "--max-num-seqs", "16"]')
-                      + "\n[standby]\nenabled = true\n")
+                      + f"\n[standby]\nenabled = true\n\n[front]\nport = {port}\n")
     start_preload(policy, preloads)
     s = supervised(policy)
-    eport = int(policy.read_text().split("port = ")[1].split()[0])
-    front, port = start_front(eport, log=policy.parent / "front.log")
-    rng = random.Random(7)
+    log = policy.parent / "state" / "svc" / "front.log"
+    rng, done = random.Random(7), threading.Event()
     reqs = [{"prompt": f"request {i}: {'tell me more ' * rng.randint(1, 6)}", "max_tokens": rng.randint(100, 300),
              "stream": i < 8, "chat": i % 2 == 1} for i in range(16)]
     try:
         c = client(port)
         want = [ask(c, r) for r in reqs]  # undisturbed, one at a time
         assert all(len(w[0]) == r["max_tokens"] for w, r in zip(want, reqs))
-        failures, answers, done = [], [], threading.Event()
+        failures, answers = [], []
 
         def run(i):
             while not done.is_set():
@@ -162,13 +162,37 @@ def test_requests_in_flight_survive_sigkills_of_the_serving_engine(supervised, m
             t.join(180)
         print(f"kill -> next token: median {statistics.median(gaps):.3f} s, max {max(gaps):.3f} s; "
               f"{len(answers)} answers")
-        assert failures == [], (failures[:3], (policy.parent / "front.log").read_text()[-3000:])
+        assert failures == [], (failures[:3], log.read_text()[-3000:])
         assert len(answers) >= 16
         for i, got in answers:
             assert got == want[i], (i, reqs[i])
         metrics = _status(f"http://127.0.0.1:{port}/metrics")[1].decode()
         assert prom_sample(metrics, "restartkit_front_requests_resumed_total") >= 10
         assert prom_sample(metrics, "restartkit_front_requests_lost_total") == 0
+        # the front itself killed: supervise starts it again on the socket it holds; no connection is refused
+        front = json.loads((policy.parent / "state" / "svc" / "supervisor.json").read_text())["listener"]["front"]
+        os.kill(front["pid"], signal.SIGKILL)
+        assert ask(c, reqs[0]) == want[0]
+        assert log.read_text().count("front: answering on") == 2  # the second front answered it
     finally:
-        front.terminate()
-        front.wait(10)
+        done.set()
+
+
+def test_supervise_refuses_a_front_port_it_cannot_have_by_name(make_policy, service_cleanup):
+    import socket
+
+    from tests.helpers import run_cli
+    policy = make_policy()
+    service_cleanup(policy)
+    engine_port = int(policy.read_text().split("port = ")[1].split()[0])
+    policy.write_text(policy.read_text() + f"\n[front]\nport = {engine_port}\n")
+    r = run_cli("supervise", "--policy", policy, timeout=120)
+    assert r.returncode == 2 and f"[front] port {engine_port} is the engine's own" in r.stderr, r.stderr
+    with socket.socket() as neighbour:
+        neighbour.bind(("127.0.0.1", 0))
+        neighbour.listen()
+        taken = neighbour.getsockname()[1]
+        policy.write_text(policy.read_text().replace(f"[front]\nport = {engine_port}", f"[front]\nport = {taken}"))
+        r = run_cli("supervise", "--policy", policy, timeout=120)
+        assert r.returncode == 2 and f"cannot bind the front's port 127.0.0.1:{taken}" in r.stderr, r.stderr
+        assert "change [front] port" in r.stderr

@@ -81,6 +81,9 @@ fallback = true
 enabled = true
 kv_ahead = "never"
 
+[front]
+port = {front_port}
+
 [supervise]
 health_interval_s = 1
 min_uptime_s = %s
@@ -166,7 +169,8 @@ def _crash_under_supervise(root: Path, workdir: str, port: int, state_root: str,
     from restartkit.service import Service
 
     policy_path = root / "demo-supervised.toml"
-    policy_path.write_text(SUPERVISED_POLICY.format(workdir=workdir, port=port))
+    front_port = _free_port()  # the front's: clients use it; the engine keeps the demo's
+    policy_path.write_text(SUPERVISED_POLICY.format(workdir=workdir, port=port, front_port=front_port))
     svc = Service.from_policy_file(policy_path, state_root)
     log = open(root / "supervise.log", "w")
     sup = subprocess.Popen([sys.executable, "-m", "restartkit.cli", "supervise", "--policy", str(policy_path)],
@@ -178,12 +182,13 @@ def _crash_under_supervise(root: Path, workdir: str, port: int, state_root: str,
                       120, sup)
         engine = svc.current()
         say(f"serving (PID {engine.pid}) on the socket supervise holds; standby PID {armed['pid']} armed")
-        load = ClientLoad(svc.policy.service["host"], port, svc.adapter.served_name(svc.policy), clients=4,
-                          max_tokens=4).start()
+        load = ClientLoad(svc.policy.service["host"], front_port, svc.adapter.served_name(svc.policy), clients=4,
+                          max_tokens=32).start()
         time.sleep(max(0.0, SUPERVISED_MIN_UPTIME_S + 0.5 - (time.time() - (engine.create_time or 0.0))))
         kill, killed_at = time.monotonic(), time.time()
         os.kill(engine.pid, signal.SIGKILL)
-        say(f"SIGKILL -> PID {engine.pid}, 4 clients sending (a new connection per request, no retries)")
+        say(f"SIGKILL -> PID {engine.pid}, 4 clients sending through the front on port {front_port} (a new "
+            "connection per request, no retries)")
         _wait(lambda: (p := svc.current()) and p.pid != engine.pid and svc.is_ready(), 120, sup)
         time.sleep(1.0)
         load.stop()
@@ -192,7 +197,7 @@ def _crash_under_supervise(root: Path, workdir: str, port: int, state_root: str,
         after = got["kill_to_answer_s"][0]
         say((f"answering again {after:.2f} s after the kill, served by {served_by}" if after is not None else
              "no answer after the kill") + f"; the clients' {got['requests']} requests: {got['refused']} connections "
-            f"refused, {got['http_5xx']} HTTP 5xx, {got['lost']} lost (in flight on the killed engine), longest wait "
+            f"refused, {got['http_5xx']} HTTP 5xx, {got['lost']} lost (in flight on the killed engine: the front continues them), longest wait "
             f"{got['longest_wait_s']:.2f} s")
         return after is not None
     except TimeoutError as e:
@@ -209,6 +214,13 @@ def _crash_under_supervise(root: Path, workdir: str, port: int, state_root: str,
                 os.killpg(sup.pid, signal.SIGKILL)
         log.close()
         svc.engine.stop()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _wait(what, timeout_s: float, sup):

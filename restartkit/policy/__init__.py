@@ -288,6 +288,15 @@ SCHEMA: dict[str, dict[str, Key]] = {
                             "restartkit_<service>*.prom, mode 0644); default: the state dir (metrics.prom, "
                             "snapshot.prom)"),
     },
+    "front": {
+        "port": Key(int, 0, check=_port_or_zero,
+                    doc="supervise answers clients on this port through the front (restartkit.front), which "
+                        "continues a request in flight on the next engine when its engine dies; 0: no front "
+                        "(clients use [service] port, and a crash fails the requests in flight)"),
+        "wait_s": Key((int, float), 60.0, check=_seconds,
+                      doc="how long a request waits in the front for an engine before a 503 with Retry-After"),
+        "max_in_flight": Key(int, 4096, check=_positive, doc="requests the front holds at once; past it, a 503"),
+    },
     "sleep": {
         "enabled": Key(bool, False, doc="start the engine with sleep mode (needed by the sleep strategy)"),
         "level": Key(int, 1, (1, 2)),

@@ -1,5 +1,6 @@
-"""The service's listening socket, held by supervise for its whole life so that it outlives every engine, and
-the broker that offers it to restartkit's other commands (restartkit.process.listener)."""
+"""The service's listening socket, held by supervise for its whole life so that it outlives every engine, the
+broker that offers it to restartkit's other commands (restartkit.process.listener), and the front's socket and
+process where the policy asks for a front (restartkit.supervision.front_keeper)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -9,10 +10,17 @@ from restartkit.errors import UsageError
 
 class HeldSocket:
     def __init__(self, service, say: Callable[[str], None]):
+        from restartkit.supervision.front_keeper import FrontKeeper
         self.service, self.say = service, say
         self.broker = None
+        self.front = FrontKeeper(service, say)
 
     def hold(self) -> None:
+        """The service's socket, then the front's (when the policy asks for a front)."""
+        self._hold_service()
+        self.front.start()
+
+    def _hold_service(self) -> None:
         """systemd's socket (socket activation), or one bound here.  An engine found serving on a socket of its
         own keeps it; the port is held once that one is gone."""
         from restartkit.process import listener
@@ -54,8 +62,12 @@ class HeldSocket:
 
     def describe(self) -> dict | None:
         held = self.service.engine.held
-        return held.describe() if held is not None else None
+        out = held.describe() if held is not None else None
+        if (front := self.front.describe()) is not None:
+            out = {**(out or {}), "front": front}
+        return out
 
     def close(self) -> None:
         if self.broker is not None:
             self.broker.close()
+        self.front.stop()

@@ -48,7 +48,7 @@ def test_the_demo_runs_end_to_end(tmp_path):
     assert "the demo engine and its weight cache were stopped" in out
     # its last act: a SIGKILL under supervise, served by the standby on the held socket, nothing refused
     crash = next(line for line in out.splitlines() if line.startswith("answering again"))
-    assert "served by standby" in crash and " 0 connections refused, 0 HTTP 5xx" in crash, crash
+    assert "served by standby" in crash and " 0 connections refused, 0 HTTP 5xx, 0 lost" in crash, crash  # the front
     # the state went where the caller said (--state-dir / RESTARTKIT_STATE_DIR), not into the workdir
     assert (tmp_path / "s" / "demo" / "history.jsonl").exists() and not (tmp_path / "demo" / "state").exists()
     assert (tmp_path / "s" / "demo" / "snapshot.prom").exists()  # written whether or not a snapshot could be taken

@@ -1,0 +1,100 @@
+"""The service's front (restartkit.front), kept by supervise when the policy's [front] port is set: its listening
+socket bound here and held for supervise's whole life (a front that dies loses the requests in flight on it, never
+a connection: new ones wait in the socket's queue), the front started on it, and started again whenever it exits
+(a thread waits on it).  The front dies with supervise (its parent-death signal)."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable
+
+from restartkit.errors import UsageError
+from restartkit.process.engine import describe_exit
+
+RESTART_PAUSE_S = 0.2  # between a front's exit and the next start: a front that cannot start is not a busy loop
+
+
+class FrontKeeper:
+    def __init__(self, service, say: Callable[[str], None]):
+        self.service, self.say = service, say
+        self.cfg = service.policy.front
+        self.sock: socket.socket | None = None
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+        self._stopping = threading.Event()
+
+    @property
+    def wanted(self) -> bool:
+        return bool(self.cfg["port"])
+
+    def start(self) -> None:
+        if not self.wanted:
+            return
+        if self.cfg["port"] == self.service.policy.service["port"]:
+            raise UsageError(f"[front] port {self.cfg['port']} is the engine's own ([service] port)",
+                             hint=f"give the front another port in {self.service.policy.path}: clients use the "
+                                  "front's, restartkit and the front use the engine's")
+        host = self.service.policy.service["host"] or "0.0.0.0"
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self.sock = socket.create_server((host, self.cfg["port"]), family=family, backlog=4096)
+        except OSError as e:
+            raise UsageError(f"cannot bind the front's port {host}:{self.cfg['port']}: {e.strerror or e}",
+                             hint="another process holds it (`ss -ltnp`), or change [front] port in "
+                                  f"{self.service.policy.path}") from None
+        self.sock.set_inheritable(True)
+        self._spawn()
+        threading.Thread(target=self._keep, name="front-keeper", daemon=True).start()
+
+    def _spawn(self) -> None:
+        engine = self.service.adapter.base_url(self.service.policy)
+        log = open(self.service.state_dir / "front.log", "ab")  # noqa: SIM115 (the child holds it)
+        fd = self.sock.fileno()
+        with log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "restartkit.front", "--fd", str(fd), "--upstream", engine,
+                 "--wait-s", str(self.cfg["wait_s"]), "--max-in-flight", str(self.cfg["max_in_flight"])],
+                pass_fds=(fd,), stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent)
+        self.starts += 1
+        self.say(f"{self.service.policy.name}: front PID {self.proc.pid} answering on port {self.cfg['port']} for "
+                 f"{engine} (its log: {self.service.state_dir / 'front.log'})")
+
+    def _keep(self) -> None:
+        while not self._stopping.is_set():
+            code = self.proc.wait()
+            if self._stopping.is_set():
+                return
+            self.say(f"{self.service.policy.name}: the front (PID {self.proc.pid}) {describe_exit(code)}; "
+                     "starting it again (its requests in flight were lost; new connections wait in its queue)")
+            time.sleep(RESTART_PAUSE_S)
+            if not self._stopping.is_set():
+                self._spawn()
+
+    def describe(self) -> dict | None:
+        if not self.wanted or self.proc is None:
+            return None
+        return {"pid": self.proc.pid, "port": self.cfg["port"], "starts": self.starts}
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if self.sock is not None:
+            self.sock.close()
+
+
+def _die_with_parent() -> None:
+    import ctypes
+    import signal
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: supervise gone, the front goes too
+    os.setpgid(0, 0)  # not in supervise's process group: a signal to the group is supervise's to pass on
