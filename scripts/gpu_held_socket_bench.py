@@ -4,6 +4,7 @@ standby, while clients that never retry open a new connection per request.
 
     python3 scripts/gpu_held_socket_bench.py [--device cuda] [--preset 8b-shape] [--kills 5] [--clients 4]
                                              [--before-s 20] [--after-s 20] [--remove-model]
+                                             [--front] [--max-tokens 4]
 
 The engine runs on its weight cache under `restartkit supervise`, which holds the service's socket; a
 standby is armed.  The clients run `--before-s` seconds, then the engine is SIGKILLed `--kills` times
@@ -12,6 +13,10 @@ they run `--after-s` seconds more.  Prints what the clients saw (restartkit.clie
 connections, HTTP 5xx, requests lost and how many of them were in flight at a kill, the longest wait,
 kill -> first answer under load, and the clients' p50/p99 before the first kill and after the last,
 with a verdict table.  Works on the CPU too (`--device cpu --preset small`).
+
+--front: supervise keeps the front ([front] port = --port + 1) and the clients go through it; a request in flight
+at a kill is continued on the standby (restartkit.front), so none may be lost.  Before the kills, the same load
+runs 10 s straight at the engine and 10 s through the front: the front's cost on the clients' p50 and p99.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ from benchlib import RK, ROOT, answers, ask, print_verdicts, standby_prepared  #
 from restartkit.clients import ClientLoad, summarize  # noqa: E402
 
 
-def write_policy(work: Path, model: Path, device: str, port: int) -> Path:
+def write_policy(work: Path, model: Path, device: str, port: int, front: bool = False) -> Path:
     pol = work / "held.toml"
     pol.write_text(f"""[service]
 name = "held"
@@ -51,7 +56,7 @@ socket_dir = "{work / 'sockets'}"
 health_interval_s = 1
 [standby]
 enabled = true
-""")
+""" + (f"[front]\nport = {port + 1}\n" if front else ""))
     return pol
 
 
@@ -59,7 +64,8 @@ def status(pol: Path) -> dict:
     return json.loads(ask("status", "--policy", pol, "--json").stdout)
 
 
-def run(pol: Path, port: int, kills: int, clients: int, before_s: float, after_s: float) -> dict:
+def run(pol: Path, port: int, kills: int, clients: int, before_s: float, after_s: float, front: bool = False,
+        max_tokens: int = 4) -> dict:
     ask("weightcache", "release", "--policy", pol, "--stop", "--force")
     ask("stop", "--policy", pol)
     ask("preload", "--policy", pol, "--detach", check=True)
@@ -70,7 +76,8 @@ def run(pol: Path, port: int, kills: int, clients: int, before_s: float, after_s
             time.sleep(0.2)
         ask("restart", "--policy", pol, "--strategy", "ipc", "--wait", "120", check=True)  # onto the cache
         standby_prepared(pol)
-        load = ClientLoad("127.0.0.1", port, None, clients=clients, max_tokens=4).start()
+        overhead = front_overhead(port, clients, max_tokens) if front else None
+        load = ClientLoad("127.0.0.1", port + 1 if front else port, None, clients=clients, max_tokens=max_tokens).start()
         kill_times, seen, served_by, kill_records = [], set(), [], []
         try:
             time.sleep(before_s)
@@ -110,7 +117,7 @@ def run(pol: Path, port: int, kills: int, clients: int, before_s: float, after_s
                         "connect_s": round(r.connected - r.started, 3) if r.connected else None,
                         "waited_s": round(r.waited_s, 3), "outcome": r.outcome}
                        for r in load.snapshot() if r.waited_s > 1.0]
-        got["served_by"], got["records"] = served_by, kill_records
+        got["served_by"], got["records"], got["front_overhead"] = served_by, kill_records, overhead
         got["same_answers"] = len({tuple(a) for a in load.answers}) == 1
         got["answers"] = len(load.answers)
         return got
@@ -119,6 +126,19 @@ def run(pol: Path, port: int, kills: int, clients: int, before_s: float, after_s
             os.killpg(sup.pid, signal.SIGTERM)
             sup.wait(120)
         ask("weightcache", "release", "--policy", pol, "--stop", "--force")
+
+
+def front_overhead(port: int, clients: int, max_tokens: int, seconds: float = 10.0) -> dict:
+    """The same load 10 s straight at the engine, then 10 s through the front: each one's p50 and p99."""
+    out = {}
+    for name, at in (("direct", port), ("front", port + 1)):
+        load = ClientLoad("127.0.0.1", at, None, clients=clients, max_tokens=max_tokens).start()
+        time.sleep(seconds)
+        load.stop()
+        lat = sorted(r.waited_s for r in load.snapshot() if r.outcome == "ok")
+        out[name] = {"requests": len(lat), "p50_s": round(statistics.median(lat), 4) if lat else None,
+                     "p99_s": round(lat[int(0.99 * (len(lat) - 1))], 4) if lat else None}
+    return out
 
 
 def psutil_create_time(pid: int) -> float:
@@ -142,15 +162,17 @@ def main() -> int:
     p.add_argument("--port", type=int, default=8781)
     p.add_argument("--model", help="an existing checkpoint (default: WORK/PRESET, created when missing)")
     p.add_argument("--remove-model", action="store_true")
+    p.add_argument("--front", action="store_true", help="the clients through supervise's front (port + 1)")
+    p.add_argument("--max-tokens", type=int, default=4)
     a = p.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     model = Path(a.model) if a.model else work / a.preset
     if not (model / "config.json").exists():
         ask("model", "create", "--preset", a.preset, "--out", model, "--device", a.device, check=True)
-    pol = write_policy(work, model, a.device, a.port)
+    pol = write_policy(work, model, a.device, a.port, a.front)
     try:
-        got = run(pol, a.port, a.kills, a.clients, a.before_s, a.after_s)
+        got = run(pol, a.port, a.kills, a.clients, a.before_s, a.after_s, a.front, a.max_tokens)
     finally:
         if a.remove_model and not a.model:
             shutil.rmtree(model, ignore_errors=True)
@@ -167,9 +189,12 @@ def main() -> int:
         print(f"  kill {i + 1}: first answer {after} s; record: {rec}")
     for slow in got["slow"][:12]:
         print(f"  slow: {slow}")
+    if got["front_overhead"]:
+        print(f"  the front's cost, same load without kills: {got['front_overhead']}")
     verdicts = [
         (f"refused connections: {got['refused']} (0)", got["refused"] == 0),
         (f"HTTP 5xx: {got['http_5xx']} (0)", got["http_5xx"] == 0),
+        (f"lost {got['lost']} (0 through the front)", got["lost"] == 0) if a.front else
         (f"lost {got['lost']} = in flight at a kill {got['lost_in_flight']} (<= {got['lost_max']})",
          got["lost"] == got["lost_in_flight"] <= got["lost_max"]),
         (f"every kill served by the standby: {got['served_by']}", got["served_by"] == ["standby"] * a.kills),
