@@ -3,7 +3,10 @@ and wake up again in the same process.
 
 Level 1: the weights are copied into one host arena (pinned memory on a
 side stream on CUDA; on the CPU a memfd that is then unmapped, so the pages
-leave the process's resident set) and the device copies are freed.
+leave the process's resident set) and the device copies are freed.  On CUDA
+the pinned arena is allocated once, in the background as sleep mode starts
+(pinning 16 GB takes seconds: outside any restart's window), and kept: every
+sleep after copies into it, every wake out of it.
 Level 2: the weights are dropped; waking re-reads them from where they came
 from at start (the weight cache when it was attached, else the disk).
 The KV cache (and the decode graph, which points into it) is dropped at
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
 
 import torch
@@ -25,11 +29,33 @@ class SleepError(RuntimeError):
 
 
 class Sleeper:
-    def __init__(self, engine):
+    def __init__(self, engine, pin_ahead: bool = True):
         self.engine = engine
         self.level = 0
         self.parked = None  # level 1: (host arena tensor or memfd, manifest, nbytes)
         self.last: dict = {}
+        self._pinned: torch.Tensor | None = None  # CUDA: the pinned host arena, allocated once and kept
+        self._pinning: threading.Thread | None = None
+        if pin_ahead and engine.device.type == "cuda" and engine.model is not None:
+            total = plan_layout([(n, p.dtype, tuple(p.shape)) for n, p in engine.model.named_parameters()])[1]
+            self._pinning = threading.Thread(target=self._pin, args=(total,), name="sleep-pin", daemon=True)
+            self._pinning.start()
+
+    def _pin(self, total: int) -> None:
+        t0 = time.perf_counter()
+        self._pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        self.pinned_s = round(time.perf_counter() - t0, 4)
+
+    def _arena(self, total: int) -> tuple[torch.Tensor, bool]:
+        """The pinned arena for `total` bytes (waiting for the one allocated ahead); whether it was there."""
+        if self._pinning is not None:
+            self._pinning.join()
+            self._pinning = None
+        there = self._pinned is not None and self._pinned.numel() >= total
+        if not there:
+            self._pinned = None
+            self._pin(total)
+        return self._pinned[:total], there
 
     @property
     def asleep(self) -> bool:
@@ -58,13 +84,15 @@ class Sleeper:
             torch.cuda.empty_cache()
         self.level = level
         self.last = {"level": level, "weight_bytes": nbytes, "kv_cache_bytes": kv, "sleep_s": round(time.perf_counter() - t0, 4)}
+        if level == 1 and eng.device.type == "cuda":
+            self.last["pinned_arena"] = "kept" if self.last_reused else "allocated now"
         return self.last
 
     def _park(self, params):
         eng = self.engine
         manifest, total = plan_layout([(n, p.dtype, tuple(p.shape)) for n, p in params])
         if eng.device.type == "cuda":
-            host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+            host, self.last_reused = self._arena(total)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -109,15 +137,21 @@ class Sleeper:
     def _unpark(self) -> int:
         eng = self.engine
         kind, src, manifest, total = self.parked
-        dev = torch.empty(total, dtype=torch.uint8, device=eng.device)  # may raise: out of memory
-        if kind == "pinned":
-            dev.copy_(src, non_blocking=True)
-        else:
-            with mmap.mmap(src, total, mmap.MAP_SHARED) as mm:
-                host = torch.frombuffer(mm, dtype=torch.uint8, count=total)
-                dev.copy_(host)
-                del host
-            os.close(src)
+        if kind == "pinned":  # a tensor each, as a load makes them: one block would be freed only whole, and
+            for e in manifest:  # a single weight still referenced at the next sleep (a graph's) would keep it all
+                host = view_of(src, e)
+                dev = torch.empty_like(host, device=eng.device)  # may raise: out of memory
+                dev.copy_(host, non_blocking=True)
+                _set(eng.model, e["name"], dev)
+            eng.model.tie()
+            self.parked = None
+            return total
+        dev = torch.empty(total, dtype=torch.uint8, device=eng.device)  # the CPU: one block, from the memfd
+        with mmap.mmap(src, total, mmap.MAP_SHARED) as mm:
+            host = torch.frombuffer(mm, dtype=torch.uint8, count=total)
+            dev.copy_(host)
+            del host
+        os.close(src)
         for e in manifest:
             _set(eng.model, e["name"], view_of(dev, e))
         eng.model.tie()
