@@ -124,7 +124,7 @@ def test_requests_in_flight_survive_sigkills_of_the_serving_engine(supervised, m
         'engine_args = ["--threads", "1"]', 'engine_args = ["--threads", "1", "--max-num-seqs", "16"]')
                       + f"\n[standby]\nenabled = true\n\n[front]\nport = {port}\n")
     start_preload(policy, preloads)
-    s = supervised(policy)
+    s = supervised(policy, burst=50)  # kills this close count as failed starts: no giving up on them
     log = policy.parent / "state" / "svc" / "front.log"
     rng, done = random.Random(7), threading.Event()
     reqs = [{"prompt": f"request {i}: {'tell me more ' * rng.randint(1, 6)}", "max_tokens": rng.randint(100, 300),
@@ -154,7 +154,11 @@ def test_requests_in_flight_survive_sigkills_of_the_serving_engine(supervised, m
             killed_at = time.monotonic()
             os.kill(pid, signal.SIGKILL)
             kills += 1
-            wait_for(lambda: any(t > killed_at for t in list(ARRIVALS)), 60)
+            try:
+                wait_for(lambda: any(t > killed_at for t in list(ARRIVALS)), 60)
+            except AssertionError:
+                raise AssertionError(f"no token after kill {kills}: front {_status(f'http://127.0.0.1:{port}/front/status')}"
+                                     f"; engine log {(policy.parent / 'state' / 'svc' / 'engine.log').read_text()[-1500:]}")
             gaps.append(min(t for t in list(ARRIVALS) if t > killed_at) - killed_at)
             wait_for(lambda: s.status().get("pid") not in (None, pid), 60)
         done.set()
@@ -172,7 +176,7 @@ def test_requests_in_flight_survive_sigkills_of_the_serving_engine(supervised, m
         # the front itself killed: supervise starts it again on the socket it holds; no connection is refused
         front = json.loads((policy.parent / "state" / "svc" / "supervisor.json").read_text())["listener"]["front"]
         os.kill(front["pid"], signal.SIGKILL)
-        assert ask(c, reqs[0]) == want[0]
+        assert ask(client(port), reqs[0]) == want[0]  # a new connection: the pool's died with the front
         assert log.read_text().count("front: answering on") == 2  # the second front answered it
     finally:
         done.set()

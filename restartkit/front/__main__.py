@@ -12,6 +12,8 @@ from aiohttp import web
 
 from restartkit.front.proxy import Front
 
+SHUTDOWN_S = 2.0
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m restartkit.front")
@@ -35,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _serve(front: Front, sock: socket.socket) -> None:
-    runner = web.AppRunner(front.app(), access_log=None, handle_signals=False)
+    # a stopped front waits SHUTDOWN_S for its requests in flight (supervise starts the next one on the same socket)
+    runner = web.AppRunner(front.app(), access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_S)
     await runner.setup()
     await web.SockSite(runner, sock).start()
     print(f"front: answering on {sock.getsockname()[0]}:{sock.getsockname()[1]}, forwarding to {front.upstream}",
