@@ -76,8 +76,9 @@ ARRIVALS: list[float] = []
 
 def test_the_front_forwards_the_openai_routes_and_refuses_admin_ones(tiny_model):
     engine, eport = serve_reference(tiny_model, "--threads", "1")
-    front, port = start_front(eport)
+    front = None
     try:
+        front, port = start_front(eport)
         c, direct = client(port), client(eport)
         for stream in (False, True):
             for chat in (False, True):
@@ -94,10 +95,11 @@ def test_the_front_forwards_the_openai_routes_and_refuses_admin_ones(tiny_model)
         assert prom_sample(metrics, "restartkit_front_requests_lost_total") == 0
         assert "vllm:generation_tokens_total" in metrics  # the engine's own, forwarded
     finally:
-        front.terminate()
         engine.kill()
-        front.wait(10)
         engine.wait(10)
+        if front is not None:
+            front.terminate()
+            front.wait(10)
 
 
 def test_a_request_waits_for_an_engine_then_gets_503_with_retry_after():
