@@ -202,3 +202,24 @@ def test_supervise_refuses_a_front_port_it_cannot_have_by_name(make_policy, serv
         r = run_cli("supervise", "--policy", policy, timeout=120)
         assert r.returncode == 2 and f"cannot bind the front's port 127.0.0.1:{taken}" in r.stderr, r.stderr
         assert "change [front] port" in r.stderr
+
+
+def test_an_api_key_is_passed_on_to_the_engine_and_a_wrong_one_refused(tiny_model):
+    import openai
+    engine, eport = serve_reference(tiny_model, "--threads", "1", "--api-key", "sesame")
+    front = None
+    try:
+        front, port = start_front(eport)
+        keyed = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sesame", max_retries=0, timeout=60)
+        for stream in (False, True):
+            for chat in (False, True):
+                ids, _, finish = ask(keyed, {"prompt": "key", "max_tokens": 8, "stream": stream, "chat": chat})
+                assert len(ids) == 8 and finish == "length"
+        with pytest.raises(openai.AuthenticationError):
+            ask(client(port), {"prompt": "no key", "max_tokens": 8, "stream": False, "chat": False})
+    finally:
+        engine.kill()
+        engine.wait(10)
+        if front is not None:
+            front.terminate()
+            front.wait(10)

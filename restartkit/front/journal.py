@@ -31,6 +31,7 @@ class Flight:
     chat: bool
     body: dict  # the client's request, as sent
     stream: bool
+    auth: dict = field(default_factory=dict)  # its Authorization header, passed on to every engine that answers it
     prompt_ids: list[int] | None = None  # the prompt's token ids (chat: the rendered conversation), once known
     ids: list[int] = field(default_factory=list)  # the generated tokens the client has (or will get with the answer)
     text: str = ""  # their text

@@ -109,7 +109,8 @@ class Front:
             self.in_flight -= 1
 
     async def _journalled(self, request: web.Request, chat: bool, body: dict) -> web.StreamResponse:
-        flight = Flight(chat=chat, body=body, stream=bool(body.get("stream")), role_sent=not chat)
+        flight = Flight(chat=chat, body=body, stream=bool(body.get("stream")), role_sent=not chat,
+                        auth={k: v for k, v in request.headers.items() if k.lower() == "authorization"})
         route, upstream_body = ("/v1/chat/completions" if chat else "/v1/completions"), flight.upstream_body()
         deadline = time.monotonic() + self.wait_s
         while True:
@@ -136,7 +137,7 @@ class Front:
                         return self._waited_out(e)
                     return await self._lost(flight.client, flight, f"no engine answered within {self.wait_s:g} s ({e})")
                 try:
-                    route, upstream_body = flight.continuation(await self._max_model_len())
+                    route, upstream_body = flight.continuation(await self._max_model_len(flight.auth))
                 except CannotContinue as why:
                     return await self._lost(flight.client, flight, str(why))
                 if flight.answering:  # an engine was answering it, and died
@@ -158,7 +159,8 @@ class Front:
     async def _relay(self, request, flight: Flight, route: str, body: dict, deadline: float) -> None:
         """One engine's stream: each chunk journalled, and passed on to a streaming client in the first answer's
         shape (flight.client, its response once begun); raises EngineDied if it broke off."""
-        async with self.session.post(self.upstream + route, json=body, timeout=self._left(deadline)) as r:
+        async with self.session.post(self.upstream + route, json=body, headers=flight.auth,
+                                     timeout=self._left(deadline)) as r:
             if r.status != 200:
                 data = await r.read()
                 if r.status == 503:  # no engine ready yet (loading, asleep): wait for one
@@ -242,10 +244,10 @@ class Front:
             lines += [f"# HELP {name} {what}", f"# TYPE {name} counter", f"{name} {self.counts[key]}"]
         return "\n".join(lines) + "\n"
 
-    async def _max_model_len(self) -> int | None:
+    async def _max_model_len(self, auth: dict) -> int | None:
         if self.max_model_len is None:
             try:
-                async with self.session.get(self.upstream + "/v1/models", timeout=self._left(
+                async with self.session.get(self.upstream + "/v1/models", headers=auth, timeout=self._left(
                         time.monotonic() + self.wait_s)) as r:
                     models = (await r.json()).get("data") or [{}]
                     self.max_model_len = models[0].get("max_model_len")
