@@ -7,6 +7,15 @@ import signal
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
+    """This process gets `sig` when its parent dies (Linux's PR_SET_PDEATHSIG): a child never outlives its keeper."""
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+
+
 def block_stop_signals() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 

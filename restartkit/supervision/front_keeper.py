@@ -94,7 +94,6 @@ class FrontKeeper:
 
 
 def _die_with_parent() -> None:
-    import ctypes
-    import signal
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: supervise gone, the front goes too
+    from restartkit.process.signals import set_parent_death_signal
+    set_parent_death_signal()  # supervise gone, the front goes too
     os.setpgid(0, 0)  # not in supervise's process group: a signal to the group is supervise's to pass on

@@ -11,31 +11,21 @@ Requests (JSON): hello, attach, detach, ping, stats, release, stop.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import fcntl
 import json
 import os
-import signal
 import socket
 import sys
 import threading
 import time
 from pathlib import Path
 
-from restartkit.process.signals import block_stop_signals, next_stop_signal
+from restartkit.process.signals import block_stop_signals, next_stop_signal, set_parent_death_signal
 from restartkit.weightcache import protocol
 from restartkit.weightcache.fingerprint import CHECKPOINT, describe, differences
 
-PR_SET_PDEATHSIG = 1
-
-
 def emit(event: str, **kw) -> None:
     print(json.dumps({"event": event, "pid": os.getpid(), **kw}), flush=True)
-
-
-def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, sig)
 
 
 def device_uuid(device: str, global_rank: int) -> str:

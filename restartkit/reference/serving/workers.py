@@ -47,8 +47,8 @@ def _gate(fds: str):
 
 
 def _die_with_parent() -> None:
-    import ctypes
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    from restartkit.process.signals import set_parent_death_signal
+    set_parent_death_signal(signal.SIGKILL)
 
 
 def _stop_workers(workers) -> None:
