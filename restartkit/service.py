@@ -22,21 +22,26 @@ from restartkit.process.seam import Seam
 
 
 class Service:
-    def __init__(self, policy, seam: Seam | None = None):
-        self.policy = policy
+    def __init__(self, policy, seam: Seam | None = None, behind_front: bool | None = None):
+        """`behind_front`: the engines serve behind supervise's front (Policy.behind_front); None: when a
+        supervisor of this service runs and the policy's front is enabled (a command run beside supervise)."""
+        if behind_front is None:
+            behind_front = policy.front["enabled"] and supervised(policy.state_dir())
+        self.policy = policy.behind_front() if behind_front else policy
         self.seam = seam or Seam()
         self.adapter, self.adapter_problem = get_adapter(policy.service["engine"])
         self.state_dir = policy.state_dir()
         self.intent = Intent(self.state_dir)  # written only once a guarded command has begun it
-        self.engine = EngineLifecycle(policy, self.adapter, self.adapter_problem, self.state_dir, self.seam,
+        self.engine = EngineLifecycle(self.policy, self.adapter, self.adapter_problem, self.state_dir, self.seam,
                                       note_pids=lambda pids: self.intent.update(pids=pids))
         self.interrupts: list[int] = []  # termination signals deferred by the guarded command (restartkit.guard)
         self.reconciled: dict | None = None  # what the guarded command's reconcile did (restartkit.commands.reconcile)
 
     @classmethod
-    def from_policy_file(cls, path, state_root: str = "", seam: Seam | None = None) -> "Service":
+    def from_policy_file(cls, path, state_root: str = "", seam: Seam | None = None,
+                         behind_front: bool | None = None) -> "Service":
         from restartkit.policy import load_policy
-        return cls(load_policy(path, state_root), seam)
+        return cls(load_policy(path, state_root), seam, behind_front)
 
     def ensure_state_dir(self) -> Path:
         return ensure_private_dir(self.state_dir)
@@ -133,3 +138,13 @@ def connections_note(adapter, held: dict | None) -> str:
                 "connections are refused (`restartkit supervise` holds the socket across restarts)")
     return (f"connections: {adapter.label} binds its port itself (it cannot serve on a socket it is given): "
             "connections are refused while it restarts")
+
+
+def supervised(state_dir: Path) -> bool:
+    """A supervisor of this service runs (its supervisor.json names a live `restartkit supervise`)."""
+    from restartkit.process.procfs import holder_alive
+    try:
+        data = json.loads((state_dir / "supervisor.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and holder_alive(data)

@@ -150,7 +150,9 @@ def crash_under_supervise(P: list, port: int, model: str) -> dict:
             return {"error": "no standby was prepared under supervise within 300 s"}
         engine = st["pid"]
         time.sleep(8)  # served past min_uptime_s: a crash, not a failed start
+        # 4 clients of short answers (kill -> answering, refused) and 4 of long ones (in flight at the kill)
         load = ClientLoad("127.0.0.1", port, model, clients=4, max_tokens=8, timeout_s=60).start()
+        long = ClientLoad("127.0.0.1", port, model, clients=4, max_tokens=64, timeout_s=60).start()
         try:
             time.sleep(3)
             killed = time.monotonic()
@@ -161,14 +163,31 @@ def crash_under_supervise(P: list, port: int, model: str) -> dict:
             time.sleep(5)
         finally:
             load.stop()
+            long.stop()
         got = summarize(load.snapshot(), [killed], clients=4)
+        got_long = summarize(long.snapshot(), [killed], clients=4)
+        got["lost"] += got_long["lost"]
+        got["refused"] += got_long["refused"]
+        got["requests"] += got_long["requests"]
         recs = rk("history", *P, "--last", "1")[1].get("records") or [{}]
-        return {"served_by": recs[-1].get("served_by"), "canary_identical": (recs[-1].get("proof") or {}).get(
+        return {"front": front_counts(port), "in_flight": (recs[-1].get("trigger") or {}).get("in_flight"),
+                "served_by": recs[-1].get("served_by"), "canary_identical": (recs[-1].get("proof") or {}).get(
             "canary_identical"), **{k: got.get(k) for k in ("requests", "refused", "http_5xx", "lost", "lost_in_flight",
                                                             "kill_to_answer_s", "p50_s", "p99_s")}}
     finally:
         os.killpg(sup.pid, signal.SIGTERM)
         sup.wait(120)
+
+
+def front_counts(port: int) -> dict:
+    """The front's counters (supervise keeps it on the service's port by default), from its /metrics."""
+    import urllib.request
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    except OSError as e:
+        return {"error": str(e)}
+    return {line.split()[0].removeprefix("restartkit_front_requests_").removesuffix("_total"): float(line.split()[1])
+            for line in text.splitlines() if line.startswith("restartkit_front_requests_")}
 
 
 def run(a, work: Path, model: Path, results: dict) -> list[tuple[str, bool]]:
@@ -218,6 +237,8 @@ def run(a, work: Path, model: Path, results: dict) -> list[tuple[str, bool]]:
             k2a = (c.get("kill_to_answer_s") or [None])[0]
             verdicts.append((f"supervise + standby: SIGKILL -> answering {k2a} s (<= 1 s), {c.get('refused')} refused",
                              k2a is not None and k2a <= 1.0 and c.get("refused") == 0 and c.get("served_by") == "standby"))
+            verdicts.append((f"the front: {c.get('lost')} of the clients' requests lost, {c.get('in_flight')} in flight "
+                             f"at the kill, front {c.get('front')}", c.get("lost") == 0))
     finally:
         rk("standby", "disarm", *P, as_json=False)
         rk("stop", *P)

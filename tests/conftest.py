@@ -16,7 +16,9 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture
 def make_policy(tmp_path, tiny_model):
     """Write a policy for the tiny model on a free port; returns its path."""
-    def make(extra: str = "", model: str | None = None, name: str = "svc", service_extra: str = "", port: int | None = None) -> Path:
+    def make(extra: str = "", model: str | None = None, name: str = "svc", service_extra: str = "", port: int | None = None,
+             front: str = "") -> Path:
+        """`front`: more keys of [front] (its engine_port is a free one: supervise's engines serve there)."""
         port = port or free_port()
         text = textwrap.dedent(f"""\
             [service]
@@ -27,7 +29,7 @@ def make_policy(tmp_path, tiny_model):
             max_model_len = 256
             engine_args = ["--threads", "1"]
             state_dir = "{tmp_path / 'state'}"
-            """) + service_extra + textwrap.dedent("""
+            """) + service_extra + f"\n[front]\nengine_port = {free_port()}\n{front}" + textwrap.dedent("""
             [restart]
             start_timeout_s = 60
             stop_timeout_s = 10

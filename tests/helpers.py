@@ -116,15 +116,18 @@ def gone(pid: int) -> bool:
 
 
 def engines_on(policy) -> list[int]:
-    """PIDs of reference engines serving this policy's port (in any PID namespace: as this one sees them)."""
-    port = policy.read_text().split("port = ")[1].split()[0]
+    """PIDs of reference engines serving this policy's port, or the port its engines serve on behind supervise's
+    front (in any PID namespace: as this one sees them)."""
+    from restartkit.policy import load_policy
+    pol = load_policy(policy)
+    ports = {str(pol.service["port"]).encode(), str(pol.engine_port_behind_front()).encode()}
     out = []
     for d in os.listdir("/proc"):
         try:
             cmd = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
         except (OSError, ValueError):
             continue
-        if b"restartkit.reference.serving.server" in cmd and port.encode() in cmd:
+        if b"restartkit.reference.serving.server" in cmd and ports & set(cmd):
             out.append(int(d))
     return out
 
@@ -340,8 +343,8 @@ def admin_stats(policy, port: int | None = None) -> dict:
     """GET /admin/stats of the service's engine as restartkit calls it: with the service's admin token."""
     from restartkit import http
     from restartkit.guard import admin
-    from restartkit.policy import load_policy
-    pol = load_policy(policy)
+    from restartkit.service import Service
+    pol = Service.from_policy_file(policy).policy  # behind supervise's front: the engines' own port
     return http.get(f"http://127.0.0.1:{port or pol.service['port']}/admin/stats", timeout=10,
                     headers=admin.headers(pol.state_dir()))
 

@@ -290,14 +290,15 @@ def test_the_reference_engine_has_one_owner_per_step():
 
 
 def test_the_front_imports_no_torch_and_nothing_of_the_engines():
-    """The front restarts in milliseconds: it imports the standard library, aiohttp and itself only."""
+    """The front restarts in milliseconds: it imports the standard library, aiohttp (uvloop where installed) and
+    itself only."""
     import sys
     for path in (ROOT / "restartkit" / "front").glob("*.py"):
         for node in _runtime_imports(ast.parse(path.read_text())):
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
             for n in names:
                 top = n.split(".")[0]
-                assert top in sys.stdlib_module_names or top in ("aiohttp", "__future__") or n.startswith(
+                assert top in sys.stdlib_module_names or top in ("aiohttp", "uvloop", "__future__") or n.startswith(
                     "restartkit.front"), f"front/{path.name} imports {n}"
 
 

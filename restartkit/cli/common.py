@@ -88,9 +88,9 @@ def guarded(svc, command: str, wait_s: float = 0.0, **kw):
     return reconcile.guarded(svc, command, wait_s, say, **kw)
 
 
-def load(policy_path: str):
+def load(policy_path: str, behind_front: bool | None = None):
     from restartkit.service import Service
-    return Service.from_policy_file(policy_path, state_root())
+    return Service.from_policy_file(policy_path, state_root(), behind_front=behind_front)
 
 
 def restart_and_exit(policy_path, strategy: str, as_json: bool, command: str, wait_s: float, reason: str = "restart",

@@ -32,7 +32,7 @@ def supervise_cmd(policy_path, install_unit, unit_dir, watchdog_sec, unit_user):
       systemctl daemon-reload && systemctl enable --now restartkit-wc-llm restartkit-llm.socket restartkit-llm"""
     from restartkit.commands.supervise import Supervisor
     from restartkit.systemd.units import supervise_units
-    svc = load(policy_path)
+    svc = load(policy_path, behind_front=False)
     if install_unit:
         sock, path = supervise_units(svc, unit_dir, watchdog_sec, unit_user)
         click.echo(f"wrote {sock}\nwrote {path}")
@@ -45,6 +45,7 @@ def supervise_cmd(policy_path, install_unit, unit_dir, watchdog_sec, unit_user):
             click.echo(f"run restartkit for this service as {unit_user}, on its state root (sudo -u {unit_user} "
                        f"restartkit status --state-dir {root} --policy {svc.policy.path})")
         return
+    svc = load(policy_path, behind_front=svc.policy.front["enabled"])  # its engines behind its front
     svc.engine.progress = say
     sys.exit(Supervisor(svc, say=say).run())
 

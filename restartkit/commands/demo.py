@@ -82,7 +82,7 @@ enabled = true
 kv_ahead = "never"
 
 [front]
-port = {front_port}
+engine_port = {engine_port}
 
 [supervise]
 health_interval_s = 1
@@ -169,8 +169,8 @@ def _crash_under_supervise(root: Path, workdir: str, port: int, state_root: str,
     from restartkit.service import Service
 
     policy_path = root / "demo-supervised.toml"
-    front_port = _free_port()  # the front's: clients use it; the engine keeps the demo's
-    policy_path.write_text(SUPERVISED_POLICY.format(workdir=workdir, port=port, front_port=front_port))
+    front_port = port  # the front answers on the service's port; the engines serve behind it on a free one
+    policy_path.write_text(SUPERVISED_POLICY.format(workdir=workdir, port=port, engine_port=_free_port()))
     svc = Service.from_policy_file(policy_path, state_root)
     log = open(root / "supervise.log", "w")
     sup = subprocess.Popen([sys.executable, "-m", "restartkit.cli", "supervise", "--policy", str(policy_path)],

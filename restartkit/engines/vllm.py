@@ -55,6 +55,7 @@ class VLLMAdapter(EngineAdapter):
     label = "vLLM"
     ipc_proof_in_log = True  # with vLLM's own weight cache ([ipc] health_port): its log says hit or fallback
     serves_on_socket = True  # restartkit's launcher serves on the service's held socket (--listen-fd)
+    kv_cache_when_built = True  # a standby holds its KV cache while it waits ([standby] kv_ahead = "auto": ahead)
     weightless_snapshots = True  # the worker extension releases and re-attaches the weights
 
     def weight_cache_of(self, policy) -> str:

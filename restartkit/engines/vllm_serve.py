@@ -201,6 +201,8 @@ async def _prepared(client, args, own, admin: Admin, given: socket.socket | None
     port = private_sock.getsockname()[1]
     private = no_signal_server(uvicorn.Config(await _app(client, args, admin), log_level="warning", access_log=False))
     private_task = asyncio.create_task(private.serve(sockets=[private_sock]))
+    while not private.started and not private_task.done():  # prepared once its private port answers: a canary
+        await asyncio.sleep(0.01)                           # asked ahead must not find it refusing
     _status(own, state="prepared", admin_port=port, phases=phases)
     _log(f"prepared (private port {port}); waiting for SIGUSR1")
     if not (own.activate_ahead or await _wait_flag("usr1", own.activate_timeout)):

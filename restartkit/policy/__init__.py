@@ -6,27 +6,20 @@ touched; an error names the file, the key, the bad value and what is allowed.
 """
 from __future__ import annotations
 
-import ipaddress
-import math
 import os
-import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from restartkit.contracts import STRATEGY_NAMES
 from restartkit.engines import ENGINE_NAMES
 from restartkit.errors import PolicyError, PolicyErrors
+from restartkit.policy.checks import (_argv, _calendar, _canary, _env, _fraction, _host, _hours, _name,
+                                      _non_negative, _parallel, _path, _port, _port_or_zero, _positive, _revision,
+                                      _seconds, _served_name, _strategy_list, show)
 from restartkit.weightcache.loader import DEFAULTS as LOADER
 
 DEFAULT_STATE_ROOT = "~/.local/state/restartkit"
-HEX40 = re.compile(r"[0-9a-f]{40}")
-NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
-HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})")
-# systemd OnCalendar=: the shorthands, or an expression of its own characters (no line breaks, no '=')
-MAX_SECONDS = 7 * 24 * 3600.0
-MIN_SECONDS = 0.01
 
 
 @dataclass(frozen=True)
@@ -36,135 +29,6 @@ class Key:
     allowed: tuple | None = None
     doc: str = ""
     check: Any = None  # callable(value) -> problem or None
-
-
-def show(v, limit: int = 80) -> str:
-    """A value for an error message: its repr, cut to `limit` characters."""
-    r = repr(v)
-    return r if len(r) <= limit else r[:limit] + f"... ({len(r)} characters)"
-
-
-def _positive(v):
-    return None if 0 < v <= 2**31 else "must be greater than 0 (and at most 2**31)"
-
-
-def _non_negative(v):
-    return None if 0 <= v <= 2**31 else "must be 0 or more"
-
-
-def _seconds(v):
-    if not math.isfinite(v) or not MIN_SECONDS <= v <= MAX_SECONDS:
-        return f"must be a number of seconds from {MIN_SECONDS} to {MAX_SECONDS:.0f} (7 days)"
-    return None
-
-
-def _hours(v):
-    return None if math.isfinite(v) and 0 < v <= 24 * 366 else "must be a number of hours above 0, at most a year"
-
-
-def _fraction(v):
-    return None if math.isfinite(v) and 0 < v <= 1 else "must be a fraction above 0, at most 1"
-
-
-def _port(v):
-    return None if 0 < v < 65536 else "must be a TCP port (1..65535)"
-
-
-def _port_or_zero(v):
-    return None if 0 <= v < 65536 else "must be a TCP port (1..65535), or 0 for none"
-
-
-def _revision(v):
-    return None if v == "" or HEX40.fullmatch(v) else "must be a 40-character lowercase hex commit id (or empty)"
-
-
-def _name(v):
-    if not NAME.fullmatch(v):
-        return ("must be 1-64 letters, digits, '.', '_' or '-', not starting with '.' or '-' "
-                "(it names the state directory and the metrics' labels)")
-    return None
-
-
-def _host(v):
-    try:
-        ipaddress.ip_address(v)
-        return None
-    except ValueError:
-        pass
-    return None if HOSTNAME.fullmatch(v) else "must be an IP address or a host name"
-
-
-PATH_MAX, NAME_MAX = 4096, 255  # Linux: a whole path, and one of its components
-
-
-def _path(v):
-    if any(ord(c) < 32 or c == "\x7f" for c in v):
-        return "must not hold control characters (line breaks, tabs, NUL)"
-    return path_length_problem(v)
-
-
-def path_length_problem(v: str) -> str | None:
-    """Why a path is too long for the filesystem (ENAMETOOLONG), or None."""
-    if len(os.fsencode(v)) >= PATH_MAX:
-        return f"is {len(os.fsencode(v))} bytes long: a path holds at most {PATH_MAX - 1}"
-    if longest := max((p for p in v.split("/")), key=lambda p: len(os.fsencode(p)), default=""):
-        if len(os.fsencode(longest)) > NAME_MAX:
-            return f"has a component of {len(os.fsencode(longest))} bytes ({longest[:40]}...): at most {NAME_MAX}"
-    return None
-
-
-def _served_name(v):
-    if any(ord(c) < 32 or c == "\x7f" for c in v) or len(v) > 256:
-        return "must be at most 256 characters, without control characters"
-    return None
-
-
-def _parallel(limit: int, what: str):
-    def check(v):
-        return None if 0 < v <= limit else f"must be from 1 to {limit} ({what})"
-    return check
-
-
-def _argv(v):
-    if not all(isinstance(a, str) for a in v):
-        return "must be a list of strings"
-    if any("\0" in a for a in v):
-        return "must not hold NUL characters"
-    return None
-
-
-def _canary(v):
-    if not v:
-        return "must hold at least one prompt: an empty canary proves nothing"
-    if len(v) > 32 or not all(isinstance(a, str) and a.strip() and "\0" not in a for a in v):
-        return "must be 1-32 non-empty strings"
-    return None
-
-
-def _env(v):
-    for k, val in v.items():
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
-            return f"{show(k)} is not an environment variable name"
-        if not isinstance(val, str) or "\0" in val:
-            return f"{k} must be a string (write numbers in quotes: {k} = \"{val}\")" if not isinstance(val, str) \
-                else f"{k} must not hold NUL characters"
-    return None
-
-
-def _calendar(v):
-    from restartkit.policy.schedule import check
-    return check(v)
-
-
-def _strategy_list(v):
-    if v == ["auto"]:
-        return None
-    bad = [s for s in v if s not in STRATEGY_NAMES]
-    if bad:
-        return f"unknown strategy {bad[0]!r}"
-    if len(set(v)) != len(v):
-        return "lists a strategy twice"
-    return None
 
 
 SCHEMA: dict[str, dict[str, Key]] = {
@@ -289,10 +153,14 @@ SCHEMA: dict[str, dict[str, Key]] = {
                             "snapshot.prom)"),
     },
     "front": {
-        "port": Key(int, 0, check=_port_or_zero,
-                    doc="supervise answers clients on this port through the front (restartkit.front), which "
-                        "continues a request in flight on the next engine when its engine dies; 0: no front "
-                        "(clients use [service] port, and a crash fails the requests in flight)"),
+        "enabled": Key(bool, True,
+                       doc="under supervise, the front (restartkit.front) answers clients on [service] host and "
+                           "port, and continues a request in flight on the next engine when its engine dies; the "
+                           "engines serve behind it on 127.0.0.1:[front] engine_port. false: the engines take "
+                           "[service] port themselves, and a crash fails the requests in flight"),
+        "engine_port": Key(int, 0, check=_port_or_zero,
+                           doc="the loopback port the engines serve on behind the front; 0: [service] port + 10000 "
+                               "([service] port - 10000 above 55535)"),
         "wait_s": Key((int, float), 60.0, check=_seconds,
                       doc="how long a request waits in the front for an engine before a 503 with Retry-After"),
         "max_in_flight": Key(int, 4096, check=_positive, doc="requests the front holds at once; past it, a 503"),
@@ -364,9 +232,10 @@ class Policy:
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
     state_root: str = ""  # where service state dirs live unless [service] state_dir says (the CLI's --state-dir)
     written: frozenset = frozenset()  # the sections the file itself has (the others are all defaults)
+    public: tuple[str, int] | None = None  # behind supervise's front: the address clients use (behind_front)
 
     def __getattr__(self, name):  # policy.service, policy.restart, ...
-        if name.startswith("__") or name in ("sections", "state_root", "written"):
+        if name.startswith("__") or name in ("sections", "state_root", "written", "public"):
             raise AttributeError(name)
         try:
             return _Section(self.sections[name])
@@ -387,6 +256,20 @@ class Policy:
 
     def to_dict(self) -> dict:
         return {"path": self.path, **self.sections}
+
+    def engine_port_behind_front(self) -> int:
+        port = self.sections["service"]["port"]
+        return self.sections["front"]["engine_port"] or (port + 10000 if port <= 55535 else port - 10000)
+
+    def behind_front(self) -> "Policy":
+        """This policy as restartkit sees its engines behind supervise's front: [service] host 127.0.0.1 and
+        port [front] engine_port (what every engine binds, what the canary and probes ask), the address clients
+        use kept as `public` (the front's)."""
+        if self.public is not None:
+            return self
+        svc = self.sections["service"]
+        sections = {**self.sections, "service": {**svc, "host": "127.0.0.1", "port": self.engine_port_behind_front()}}
+        return replace(self, sections=sections, public=(svc["host"], svc["port"]))
 
 
 class _Section(dict):
@@ -459,6 +342,9 @@ def _across(path: str, sections: dict[str, dict]) -> Policy:
     ipc = sections["ipc"]
     if ipc["node_rank"] >= ipc["nnodes"]:
         raise PolicyError(path, "ipc.node_rank", f"is {ipc['node_rank']}: must be below [ipc] nnodes ({ipc['nnodes']})")
+    if sections["front"]["engine_port"] == svc["port"]:
+        raise PolicyError(path, "front.engine_port", f"is {svc['port']}, [service] port: the front answers there",
+                          "give the engines behind the front another port, or 0 for [service] port + 10000")
     svc["model"] = expand(svc["model"]) if svc["engine"] == "reference" else svc["model"]
     if svc["draft_model"]:
         if svc["engine"] != "reference":

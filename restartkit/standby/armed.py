@@ -146,6 +146,9 @@ def kv_ahead(service) -> tuple[bool, str]:
         return want == "always", f"[standby] kv_ahead = {want!r}"
     if service.policy.service["device"] != "cuda":
         return False, "on the CPU an activated standby would take the serving engine's cores while it waits"
+    if getattr(service.adapter, "kv_cache_when_built", False):
+        return True, (f"{service.adapter.label} allocates its KV cache when it is built: activated ahead at no cost, "
+                      "its canary is asked on its private port while it waits (never in a batch of clients' requests)")
     if (tp := service.policy.service["tensor_parallel_size"]) > 1:
         return False, (f"at tensor_parallel_size {tp} only GPU 0's free memory would be known; the KV caches are "
                        "allocated at promotion (kv_ahead = \"always\" allocates them ahead on every rank)")
@@ -253,7 +256,8 @@ def stop_orphaned(service, say) -> None:
     """An armed standby left holding a copy of the service's socket with no engine serving and no supervisor
     (its supervisor killed right after a crash, before it promoted it): it never accepts, so clients queue and the
     port stays taken.  Stopped, and said, before anything else starts."""
-    if service.current() is not None or _supervised(service.state_dir):
+    from restartkit.service import supervised
+    if service.current() is not None or supervised(service.state_dir):
         return  # an engine serves, or a supervisor owns the standby (it may be promoting it now)
     from restartkit.process.procfs import listeners
     rec = state(service)
@@ -262,16 +266,6 @@ def stop_orphaned(service, say) -> None:
     if (pid := disarm(service)) is not None:
         say(f"{service.policy.name}: stopped the standby (PID {pid}) left holding the service's socket with no "
             "engine serving (its supervisor died before it promoted it)")
-
-
-def _supervised(state_dir: Path) -> bool:
-    """A supervisor of this service runs (its supervisor.json names a live `restartkit supervise`)."""
-    from restartkit.process.procfs import holder_alive
-    try:
-        data = json.loads((state_dir / "supervisor.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and holder_alive(data)
 
 
 def _held_inode(service) -> int | None:

@@ -10,12 +10,17 @@ def noticed(service, say: Callable[[str], None], what: str, engine: int | None) 
     """Said, the requests in flight on the engine counted, its /dev/shm swept: the restart's trigger."""
     from restartkit.process.inflight import at_death
     at = time.time()
-    if lost := at_death(service.state_dir, engine) if engine is not None else None:
-        say(f"{service.policy.name}: {lost} request(s) in flight on it are lost")
+    front = service.policy.public is not None  # the front continues the requests in flight on the next engine
+    if held := at_death(service.state_dir, engine) if engine is not None else None:
+        say(f"{service.policy.name}: {held} request(s) in flight on it " +
+            ("(the front continues them on the next engine)" if front else "are lost"))
     if swept := service.engine.sweep_gone():  # before the next engine makes its own
         say(f"{service.policy.name}: removed {len(swept)} file(s) it left in /dev/shm")
     say(f"{service.policy.name}: {what}")
-    return {"by": "supervise", "what": what, "noticed_at": at, "lost_in_flight": lost}
+    # in flight: the engine's own count of the requests it held; lost, without a front, or continued by it (what
+    # it could not continue is counted by the front: restartkit_front_requests_lost_total)
+    return {"by": "supervise", "what": what, "noticed_at": at, "in_flight": held, "behind_front": front,
+            "lost_in_flight": None if front else held}
 
 
 def replaced(service, guard, say: Callable[[str], None], pid: int | None, ticks: int | None) -> bool:

@@ -1,7 +1,8 @@
-"""The service's front (restartkit.front), kept by supervise when the policy's [front] port is set: its listening
-socket bound here and held for supervise's whole life (a front that dies loses the requests in flight on it, never
-a connection: new ones wait in the socket's queue), the front started on it, and started again whenever it exits
-(a thread waits on it).  The front dies with supervise (its parent-death signal)."""
+"""The service's front (restartkit.front), kept by supervise unless the policy's [front] enabled is false: the
+listening socket clients use ([service] host and port, or systemd's) held for supervise's whole life (a front
+that dies loses the requests in flight on it, never a connection: new ones wait in the socket's queue), the front
+started on it, and started again whenever it exits (a thread waits on it).  The engines serve behind it on a
+loopback port (Policy.behind_front).  The front dies with supervise (its parent-death signal)."""
 from __future__ import annotations
 
 import os
@@ -22,6 +23,7 @@ class FrontKeeper:
     def __init__(self, service, say: Callable[[str], None]):
         self.service, self.say = service, say
         self.cfg = service.policy.front
+        self.port, self.source = 0, "supervise"
         self.sock: socket.socket | None = None
         self.proc: subprocess.Popen | None = None
         self.starts = 0
@@ -29,23 +31,32 @@ class FrontKeeper:
 
     @property
     def wanted(self) -> bool:
-        return bool(self.cfg["port"])
+        return self.service.policy.public is not None  # the engines serve behind the front (Policy.behind_front)
 
-    def start(self) -> None:
+    def start(self, passed=None) -> None:
+        """The front on systemd's socket (`passed`, restartkit.process.listener.Held) or on the policy's
+        address, bound here."""
         if not self.wanted:
             return
-        if self.cfg["port"] == self.service.policy.service["port"]:
-            raise UsageError(f"[front] port {self.cfg['port']} is the engine's own ([service] port)",
-                             hint=f"give the front another port in {self.service.policy.path}: clients use the "
-                                  "front's, restartkit and the front use the engine's")
-        host = self.service.policy.service["host"] or "0.0.0.0"
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        try:
-            self.sock = socket.create_server((host, self.cfg["port"]), family=family, backlog=4096)
-        except OSError as e:
-            raise UsageError(f"cannot bind the front's port {host}:{self.cfg['port']}: {e.strerror or e}",
-                             hint="another process holds it (`ss -ltnp`), or change [front] port in "
-                                  f"{self.service.policy.path}") from None
+        from restartkit.process import listener
+        host, port = self.service.policy.public
+        path = self.service.policy.path
+        if passed is not None:
+            if why := listener.matches(passed, host, port):
+                raise UsageError(why, hint=f"make the .socket unit's ListenStream= the policy's address "
+                                           f"({host}:{port}) or change {path}")
+            self.sock, self.source = passed.sock, "systemd"
+        else:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            try:
+                self.sock = socket.create_server((host or "0.0.0.0", port), family=family, backlog=4096)
+            except OSError as e:
+                from restartkit.process.procfs import listeners
+                who = "".join(f" (PID {p} listens there)" for p in listeners(port)[:1])
+                raise UsageError(f"cannot bind {host or '0.0.0.0'}:{port}, where the front answers the service's "
+                                 f"clients: {e.strerror or e}{who}",
+                                 hint=f"stop that process, or change [service] port in {path}") from None
+        self.port = port
         self.sock.set_inheritable(True)
         self._spawn()
         threading.Thread(target=self._keep, name="front-keeper", daemon=True).start()
@@ -61,8 +72,8 @@ class FrontKeeper:
                 pass_fds=(fd,), stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                 preexec_fn=_die_with_parent)
         self.starts += 1
-        self.say(f"{self.service.policy.name}: front PID {self.proc.pid} answering on port {self.cfg['port']} for "
-                 f"{engine} (its log: {self.service.state_dir / 'front.log'})")
+        self.say(f"{self.service.policy.name}: front PID {self.proc.pid} answering on port {self.port} "
+                 f"({self.source}) for the engines on {engine} (its log: {self.service.state_dir / 'front.log'})")
 
     def _keep(self) -> None:
         while not self._stopping.is_set():
@@ -78,7 +89,8 @@ class FrontKeeper:
     def describe(self) -> dict | None:
         if not self.wanted or self.proc is None:
             return None
-        return {"pid": self.proc.pid, "port": self.cfg["port"], "starts": self.starts}
+        return {"pid": self.proc.pid, "port": self.port, "source": self.source,
+                "engine_port": self.service.policy.service["port"], "starts": self.starts}
 
     def stop(self) -> None:
         self._stopping.set()

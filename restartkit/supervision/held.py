@@ -16,16 +16,21 @@ class HeldSocket:
         self.front = FrontKeeper(service, say)
 
     def hold(self) -> None:
-        """The service's socket, then the front's (when the policy asks for a front)."""
-        self._hold_service()
-        self.front.start()
+        """The engines' socket, then the front's (when the engines serve behind one).  systemd's socket (socket
+        activation) is the one clients use: the front's when there is a front, else the engines'."""
+        from restartkit.process import listener
+        passed = listener.from_systemd()
+        if self.front.wanted:
+            self._hold_service(None)
+            self.front.start(passed)
+        else:
+            self._hold_service(passed)
 
-    def _hold_service(self) -> None:
-        """systemd's socket (socket activation), or one bound here.  An engine found serving on a socket of its
-        own keeps it; the port is held once that one is gone."""
+    def _hold_service(self, passed) -> None:
+        """systemd's socket (`passed`), or one bound here.  An engine found serving on a socket of its own
+        keeps it; the port is held once that one is gone."""
         from restartkit.process import listener
         svc, s = self.service, self.service.policy.service
-        passed = listener.from_systemd()
         if not getattr(svc.adapter, "serves_on_socket", False):
             if passed is not None:
                 raise UsageError(f"{svc.adapter.label} cannot serve on the socket systemd passed (LISTEN_FDS)",

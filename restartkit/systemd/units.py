@@ -293,7 +293,7 @@ def supervise_units(service, unit_dir_path: str, watchdog_s: int = 0, user: str 
 Description=restartkit: the listening socket of {name} (connections wait here while an engine is replaced)
 
 [Socket]
-ListenStream={listen_stream(service.policy.service["host"], service.policy.service["port"])}
+ListenStream={listen_stream(*(service.policy.public or (service.policy.service["host"], service.policy.service["port"])))}
 Backlog={BACKLOG}
 NoDelay=true
 

@@ -115,3 +115,48 @@ def test_a_busy_standby_vllm_is_promoted_on_a_crash_under_cpu_load(make_policy, 
         print("vLLM standby under CPU load: noticed -> serving", rec["trigger"].get("noticed_to_serving_s"), "s")
     finally:
         s.close()
+
+
+def test_requests_in_flight_on_a_killed_vllm_are_continued_by_its_standby(make_policy, vllm_model, service_cleanup,
+                                                                          sockdir, preloads, tmp_path):
+    """Under supervise with a standby and its front (on by default): 4 streaming and 4 non-streamed greedy clients
+    (completions and chat, answers of 60-150 tokens, no retries), the serving vLLM's process group SIGKILLed 3
+    times mid-generation: no request fails and every answer is token-identical to the undisturbed one (the front
+    reads vLLM's own token ids, `return_token_ids`, and continues on a token-id prompt)."""
+    import random
+
+    from tests.helpers import Supervised, prom_sample
+    from tests.streams import ClientsThroughKills, http, mixed_requests
+    policy = cache_policy(make_policy, vllm_model, service_cleanup, sockdir,
+                          extra='\n[standby]\nenabled = true\nkv_ahead = "never"\n',
+                          env=', VLLM_CPU_OMP_THREADS_BIND = "nobind"')
+    policy.write_text(policy.read_text().replace("max_model_len = 256", "max_model_len = 512")
+                      + SUPERVISE_FAST.format(burst=10))
+    start_preload(policy, preloads)
+    s = Supervised(policy, tmp_path)
+    port = int(policy.read_text().split("\nport = ")[1].split()[0])
+    clients = ClientsThroughKills(port, mixed_requests(8, low=60, high=150), model=str(vllm_model))
+    rng = random.Random(3)
+    try:
+        s.wait_note("READY=1", timeout=START_S)
+        want = clients.undisturbed()
+        assert all(len(w[0]) == r["max_tokens"] for w, r in zip(want, clients.reqs))
+        clients.start()
+        for _ in range(3):
+            pid = status(policy)["pid"]
+            armed(policy, not_pids=(pid,))
+            time.sleep(8.0 + rng.uniform(0.0, 1.0))  # past [supervise] min_uptime_s: a crash, not a failed start
+            clients.kill(pid, group=True, why=lambda: str(http(f"http://127.0.0.1:{port}/front/status")))
+            wait_for(lambda: status(policy).get("pid") not in (None, pid))
+        clients.finish()
+        print("vLLM through the front:", clients.summary())
+        assert clients.failures == [], clients.failures[:3]
+        for i, got in clients.answers:
+            assert got == want[i], (i, clients.reqs[i])
+        metrics = http(f"http://127.0.0.1:{port}/metrics")[1].decode()
+        assert prom_sample(metrics, "restartkit_front_requests_resumed_total") >= 3
+        assert prom_sample(metrics, "restartkit_front_requests_lost_total") == 0
+        assert [r["served_by"] for r in s.records()] == ["standby"] * 3
+    finally:
+        clients.finish(10)
+        s.close()

@@ -163,6 +163,7 @@ def test_under_supervise_a_crash_restores_criu_ipc_on_the_held_socket(make_polic
     on its private port; a SIGKILL is recovered by criu+ipc and the restored engine takes the held socket
     back from supervise.  No connection is refused throughout, the canary is identical."""
     from restartkit.clients import ClientLoad, summarize
+    from tests.streams import ClientsThroughKills, mixed_requests
     policy = ipc_policy(make_policy, sockdir, ipc_extra='mode = "zero_copy"\n')
     text = policy.read_text().replace("[restart]\n", '[restart]\nstrategies = ["criu+ipc", "cold"]\n')
     policy.write_text(text + "\n[criu]\npid_wait_s = 5.0\n")
@@ -171,6 +172,8 @@ def test_under_supervise_a_crash_restores_criu_ipc_on_the_held_socket(make_polic
     s = supervised(policy)
     r = run_cli("restart", "--policy", policy, "--strategy", "ipc", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["served_by"] == "ipc", r.stdout + r.stderr
+    streams = ClientsThroughKills(port, mixed_requests(4, low=60, high=120))
+    want = streams.undisturbed()
     load = ClientLoad("127.0.0.1", port, "tiny", clients=2, max_tokens=2).start()
     try:
         made = run_cli("snapshot", "create", "--policy", policy, "--wait", "60", "--json")
@@ -180,9 +183,13 @@ def test_under_supervise_a_crash_restores_criu_ipc_on_the_held_socket(make_polic
         assert tested.returncode == 0 and json.loads(tested.stdout)["canary_identical"], tested.stdout + tested.stderr
         p = plan(policy)
         assert verdict(p, "criu+ipc")["eligible"], verdict(p, "criu+ipc")
+        streams.start()  # streams in flight at the crash: the front continues them on the restored engine
         engine, rec, kill = s.crash_while_serving()
     finally:
         load.stop()
+        streams.finish()
+    assert streams.failures == [] and len(streams.answers) >= 4, streams.failures[:3]
+    assert all(got == want[i] for i, got in streams.answers)
     assert rec["served_by"] == "criu+ipc" and rec["proof"]["canary_identical"], (rec["served_by"], rec["attempts"])
     assert rec["attempts"][-1]["proof"]["ipc"] == "hit", rec["attempts"][-1]
     st = s.status()

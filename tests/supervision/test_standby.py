@@ -90,7 +90,9 @@ def test_supervise_promotes_its_standby_on_a_crash_and_arms_another(supervised, 
     first = wait_for(lambda: (sb := standby(policy)) and sb["state"] == "prepared" and sb)
     engine = s.status()["pid"]
     assert answering(policy) == {engine}  # armed, the standby does not answer on the service's port
-    assert set(listeners(port_of(policy))) == {s.proc.pid, engine, first["pid"]}  # the one socket supervise holds
+    from restartkit.policy import load_policy
+    engines = load_policy(policy).engine_port_behind_front()  # behind supervise's front (on by default)
+    assert set(listeners(engines)) == {s.proc.pid, engine, first["pid"]}  # the one socket supervise holds
     assert first["pid"] != engine and first["rss_bytes"] > 0
     os.kill(engine, signal.SIGKILL)
     rec = s.wait_record(1)

@@ -192,8 +192,9 @@ def test_a_unit_for_another_user_runs_as_that_user(booted):
     c.run(["systemctl", "start", "restartkit-other.socket", "restartkit-other.service"], timeout=200)
     assert complete(c, 8312)["usage"]["completion_tokens"] >= 1
     procs = [ln.split(None, 1) for ln in c.run(["ps", "-eo", "user=,args="]).stdout.splitlines()
-             if "/etc/restartkit/other.toml" in ln or "--port 8312" in ln]
-    assert len(procs) >= 2 and {user for user, _ in procs} == {"rkuser"}, procs  # supervise and its engine
+             if "/etc/restartkit/other.toml" in ln or "--port 18312" in ln or "restartkit.front" in ln]
+    # supervise, its front (on 8312, systemd's socket) and its engine (behind the front, on 18312)
+    assert len(procs) >= 3 and {user for user, _ in procs} == {"rkuser"}, procs
     assert c.run(["stat", "-c", "%U", "/var/lib/restartkit"]).stdout.strip() == "rkuser"  # StateDirectory=
     unit = c.run(["systemctl", "cat", "restartkit-other.service"]).stdout
     assert "User=rkuser\nStateDirectory=restartkit\n" in unit and "RESTARTKIT_STATE_DIR" not in unit, unit

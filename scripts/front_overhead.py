@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""What the front (restartkit.front) costs a client, side by side with the same client talking to the engine
+directly, on this machine's GPU or its CPU:
+
+    python3 scripts/front_overhead.py [--device cuda] [--preset 8b-shape] [--clients 64] [--tokens 128]
+                                      [--seconds 20] [--rounds 2] [--work DIR]
+
+One reference engine (--max-num-seqs = --clients) and one front before it.  Alternating direct and through the
+front, --rounds times each (so that drift of the machine falls on both):
+  - a 1-token greedy completion's latency, p50 of 200, one client, a new connection each;
+  - output tokens/s of --clients streaming clients (asyncio, aiohttp), each asking --tokens-token greedy
+    completions in a loop, counted by the token ids the chunks carry, over --seconds.
+Prints a verdict table with the issue's targets: p50 + at most 1 ms, tokens/s at most 5 % lower.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import ROOT, ask, print_verdicts  # noqa: E402
+
+
+def start(argv: list[str], port: int, log: Path, env: dict | None = None) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", *argv], cwd=ROOT, stdout=open(log, "w"),  # noqa: SIM115
+                            stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    end = time.monotonic() + 900
+    while time.monotonic() < end:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc
+        except OSError:
+            if proc.poll() is not None:
+                raise SystemExit(f"{argv[0]} exited: see {log}")
+            time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"{argv[0]} did not answer within 900 s: see {log}")
+
+
+def one_token_p50(port: int, n: int = 200) -> float:
+    import http.client
+    body = json.dumps({"prompt": [1, 42, 43], "max_tokens": 1, "temperature": 0})
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        r.read()
+        conn.close()
+        assert r.status == 200, r.status
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+async def _stream_clients(port: int, clients: int, tokens: int, seconds: float) -> tuple[float, int]:
+    import aiohttp
+    counted, errors, stop = [0], [0], asyncio.Event()
+    body = {"prompt": "Once upon a time", "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+
+    async def client(session):
+        while not stop.is_set():
+            try:
+                async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+                    async for line in r.content:
+                        if line.startswith(b"data: {"):
+                            for ch in json.loads(line[6:])["choices"]:
+                                counted[0] += len(ch.get("token_ids") or ())
+            except aiohttp.ClientError:
+                errors[0] += 1
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        tasks = [asyncio.create_task(client(session)) for _ in range(clients)]
+        await asyncio.sleep(min(3.0, seconds / 4))  # every client streaming
+        first, t0 = counted[0], time.perf_counter()
+        await asyncio.sleep(seconds)
+        rate = (counted[0] - first) / (time.perf_counter() - t0)
+        stop.set()
+        await asyncio.gather(*tasks)
+    return rate, errors[0]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--preset", default=None, help="default: 8b-shape on cuda, tiny on the CPU")
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--work", default="/var/tmp/restartkit-front-overhead")
+    a = p.parse_args()
+    gpu = a.device.startswith("cuda")
+    preset = a.preset or ("8b-shape" if gpu else "tiny")
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    model = work / preset
+    if not (model / "config.json").exists():
+        ask("model", "create", "--preset", preset, "--out", model, "--device", a.device, check=True)
+    eport, fport = 18311, 18312
+    engine = start(["restartkit.reference.serving.server", "--model", str(model), "--port", str(eport), "--device",
+                    a.device, "--max-num-seqs", str(a.clients), "--max-model-len", "1024"], eport, work / "engine.log",
+                   env=None if gpu else {"OMP_NUM_THREADS": "1"})
+    front = start(["restartkit.front", "--listen", f"127.0.0.1:{fport}", "--upstream", f"http://127.0.0.1:{eport}"],
+                  fport, work / "front.log")
+    got = {"direct": {"p50_s": [], "tok_s": [], "errors": 0}, "front": {"p50_s": [], "tok_s": [], "errors": 0}}
+    try:
+        one_token_p50(eport, 20), one_token_p50(fport, 20)  # warm
+        for _ in range(a.rounds):
+            for name, port in (("direct", eport), ("front", fport)):
+                got[name]["p50_s"].append(one_token_p50(port))
+                rate, errors = asyncio.run(_stream_clients(port, a.clients, a.tokens, a.seconds))
+                got[name]["tok_s"].append(rate)
+                got[name]["errors"] += errors
+                print(f"{name}: 1-token p50 {got[name]['p50_s'][-1] * 1000:.2f} ms, {a.clients} streams "
+                      f"{rate:.0f} tok/s, {errors} errors", flush=True)
+    finally:
+        for proc in (front, engine):
+            proc.terminate()
+            proc.wait(60)
+    d, f = ({k: statistics.mean(v) for k, v in got[n].items() if k != "errors"} for n in ("direct", "front"))
+    added_ms, lower = (f["p50_s"] - d["p50_s"]) * 1000, 1 - f["tok_s"] / d["tok_s"]
+    print(json.dumps({"device": a.device, "preset": preset, "clients": a.clients, "tokens": a.tokens, **got,
+                      "p50_added_ms": round(added_ms, 3), "tok_s_lower": round(lower, 4)}, indent=1))
+    return print_verdicts([
+        (f"1-token p50 {f['p50_s'] * 1000:.2f} ms through the front, {d['p50_s'] * 1000:.2f} ms direct: "
+         f"+{added_ms:.2f} ms <= 1 ms", added_ms <= 1.0),
+        (f"{a.clients} streams {f['tok_s']:.0f} tok/s through the front, {d['tok_s']:.0f} direct: "
+         f"{lower * 100:.1f} % lower <= 5 %", lower <= 0.05),
+        ("no client error", got["direct"]["errors"] + got["front"]["errors"] == 0)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
