@@ -7,6 +7,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -111,11 +112,26 @@ def test_requests_in_flight_survive_sigkills_of_the_serving_engine(supervised, m
         metrics = http(f"http://127.0.0.1:{port}/metrics")[1].decode()
         assert prom_sample(metrics, "restartkit_front_requests_resumed_total") >= 10
         assert prom_sample(metrics, "restartkit_front_requests_lost_total") == 0
-        # the front itself killed: supervise starts it again on the socket it holds; no connection is refused
+        # the front itself killed with 2 requests in flight on it (held there: the engine stopped for a moment):
+        # they are lost with it, and counted; supervise starts it again on the socket it holds, nothing refused
         front = json.loads((policy.parent / "state" / "svc" / "supervisor.json").read_text())["listener"]["front"]
-        os.kill(front["pid"], signal.SIGKILL)
+        engine = s.status()["pid"]
+        os.kill(engine, signal.SIGSTOP)
+        held = [threading.Thread(target=lambda: http(f"http://127.0.0.1:{port}/v1/completions", "POST",
+                                                     {"model": "tiny", "prompt": "held", "max_tokens": 4}), daemon=True)
+                for _ in range(2)]
+        try:
+            for t in held:
+                t.start()
+            time.sleep(0.7)  # the front saved its counts (every 0.25 s) with both in flight
+            os.kill(front["pid"], signal.SIGKILL)
+        finally:
+            os.kill(engine, signal.SIGCONT)
         assert ask(client(port), clients.reqs[0]) == want[0]  # a new connection: the pool's died with the front
         assert log.read_text().count("front: answering on") == 2  # the second front answered it
+        metrics = http(f"http://127.0.0.1:{port}/metrics")[1].decode()
+        assert prom_sample(metrics, "restartkit_front_requests_lost_with_front_total") == 2
+        assert prom_sample(metrics, "restartkit_front_requests_resumed_total") >= 10  # counted on from the first front
     finally:
         clients.finish(10)
 

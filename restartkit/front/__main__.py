@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--upstream", required=True, help="the engine's address, e.g. http://127.0.0.1:8001")
     ap.add_argument("--wait-s", type=float, default=60.0, help="how long a request waits for an engine")
     ap.add_argument("--max-in-flight", type=int, default=4096, help="requests held at once; past it: 503")
+    ap.add_argument("--counts-file", help="where the counts are kept for the next front (supervise's state dir)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="front: %(message)s")  # aiohttp's errors, if any
     if a.fd is not None:
@@ -31,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
         host, _, port = a.listen.rpartition(":")
         sock = socket.create_server((host or "127.0.0.1", int(port)), reuse_port=False, backlog=1024)
     sock.setblocking(False)
-    front = Front(a.upstream, a.wait_s, a.max_in_flight, say=lambda m: print(m, file=sys.stderr, flush=True))
+    front = Front(a.upstream, a.wait_s, a.max_in_flight, say=lambda m: print(m, file=sys.stderr, flush=True),
+                  counts_file=a.counts_file)
     try:  # uvloop where installed (it comes with vLLM's uvicorn[standard]): a third less time per request
         import uvloop
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import aiohttp
@@ -24,6 +25,7 @@ JOURNALLED = {"/v1/completions": False, "/v1/chat/completions": True}
 REFUSED_PREFIXES = ("/admin", "/sleep", "/wake_up", "/is_sleeping", "/collective_rpc", "/reset_prefix_cache")
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "x-restartkit-admin"}
 RETRY_PAUSE_S = 0.05
+SAVE_EVERY_S = 0.25  # the counts file's period (Front.counts_file)
 
 
 class EngineDied(Exception):
@@ -31,11 +33,21 @@ class EngineDied(Exception):
 
 
 class Front:
-    def __init__(self, upstream: str, wait_s: float = 60.0, max_in_flight: int = 4096, say=print):
+    def __init__(self, upstream: str, wait_s: float = 60.0, max_in_flight: int = 4096, say=print,
+                 counts_file: str | None = None):
+        """`counts_file`: where the counts and the requests in flight are kept (every SAVE_EVERY_S), so that the
+        next front (supervise starts one when this one dies) counts on from them, the requests in flight on a
+        front that died as lost with it."""
         self.upstream, self.wait_s, self.max_in_flight, self.say = upstream.rstrip("/"), wait_s, max_in_flight, say
         self.counts = {"requests": 0, "journalled": 0, "resumed": 0, "continuations": 0, "lost": 0, "refused": 0,
-                       "waited_out": 0}
+                       "waited_out": 0, "lost_with_front": 0}
         self.in_flight = 0  # journalled requests the front holds (waiting for an engine, or answered by one)
+        self.passing = 0  # requests passed through as they are, in flight
+        self.counts_file = counts_file
+        if counts_file is not None:
+            died_with = carry_counts(counts_file, self.counts)
+            if died_with:
+                say(f"front: {died_with} request(s) were in flight on the front before this one: lost with it")
         self.max_model_len: int | None = None
         self.session: aiohttp.ClientSession | None = None
 
@@ -49,9 +61,31 @@ class Front:
     async def _open(self, _app) -> None:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
                                              auto_decompress=False)
+        if self.counts_file is not None:
+            self._saver = asyncio.create_task(self._keep_counts())
 
     async def _close(self, _app) -> None:
         await self.session.close()
+        if self.counts_file is not None:
+            self._saver.cancel()
+            self._save_counts()  # the requests still in flight now (cut by the shutdown) are lost with this front
+
+    async def _keep_counts(self) -> None:
+        last = None
+        while True:
+            last = self._save_counts(last)
+            await asyncio.sleep(SAVE_EVERY_S)
+
+    def _save_counts(self, last: str | None = None) -> str:
+        text = json.dumps({"counts": self.counts, "in_flight": self.in_flight + self.passing})
+        if text != last:
+            try:
+                with open(self.counts_file + ".tmp", "w") as f:
+                    f.write(text)
+                os.replace(self.counts_file + ".tmp", self.counts_file)
+            except OSError:
+                pass  # a full or read-only disk costs the count, never a request
+        return text
 
     # ---- routing ----------------------------------------------------------------------------
     async def route(self, request: web.Request) -> web.StreamResponse:
@@ -204,6 +238,7 @@ class Front:
     async def passthrough(self, request: web.Request, raw: bytes) -> web.StreamResponse:
         """A request the front cannot continue: forwarded as it is, streamed back as it comes."""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        self.passing += 1
         try:
             async with self.session.post(self.upstream + request.path, data=raw, headers=headers,
                                          timeout=aiohttp.ClientTimeout(total=None, sock_read=None)) as r:
@@ -218,6 +253,8 @@ class Front:
             self.counts["lost"] += 1
             self.say(f"front: a request it cannot continue (n > 1, logprobs or echo) was lost with its engine: {e}")
             raise
+        finally:
+            self.passing -= 1
 
     # ---- what is lost, and counted -----------------------------------------------------------
     async def _lost(self, client, flight: Flight, why: str):
@@ -239,7 +276,8 @@ class Front:
         for key, what in (("resumed", "requests continued on another engine after theirs died"),
                           ("lost", "requests lost with their engine (not continued)"),
                           ("journalled", "requests the front could continue"),
-                          ("waited_out", "requests answered 503 after waiting for an engine")):
+                          ("waited_out", "requests answered 503 after waiting for an engine"),
+                          ("lost_with_front", "requests in flight on a front that died (counted by the next one)")):
             name = f"restartkit_front_requests_{key}_total"
             lines += [f"# HELP {name} {what}", f"# TYPE {name} counter", f"{name} {self.counts[key]}"]
         return "\n".join(lines) + "\n"
@@ -294,3 +332,20 @@ def _error(status: int, message: str, kind: str, retry_after: float | None = Non
     headers = {"Retry-After": str(max(1, int(retry_after)))} if retry_after else None
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status,
                              headers=headers)
+
+
+def carry_counts(path: str, counts: dict) -> int:
+    """The counts a previous front left in `path` added to `counts`, its requests in flight counted as lost with
+    it; returns how many those were."""
+    try:
+        with open(path) as f:
+            left = json.load(f)
+        died_with = int(left.get("in_flight") or 0)
+        for k, v in (left.get("counts") or {}).items():
+            if k in counts and isinstance(v, int):
+                counts[k] += v
+    except (OSError, ValueError, AttributeError, TypeError):
+        return 0
+    counts["lost"] += died_with
+    counts["lost_with_front"] += died_with
+    return died_with

@@ -5,6 +5,7 @@ started on it, and started again whenever it exits (a thread waits on it).  The 
 loopback port (Policy.behind_front).  The front dies with supervise (its parent-death signal)."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -68,7 +69,8 @@ class FrontKeeper:
         with log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "restartkit.front", "--fd", str(fd), "--upstream", engine,
-                 "--wait-s", str(self.cfg["wait_s"]), "--max-in-flight", str(self.cfg["max_in_flight"])],
+                 "--wait-s", str(self.cfg["wait_s"]), "--max-in-flight", str(self.cfg["max_in_flight"]),
+                 "--counts-file", str(self.counts_file)],
                 pass_fds=(fd,), stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                 preexec_fn=_die_with_parent)
         self.starts += 1
@@ -80,11 +82,22 @@ class FrontKeeper:
             code = self.proc.wait()
             if self._stopping.is_set():
                 return
-            self.say(f"{self.service.policy.name}: the front (PID {self.proc.pid}) {describe_exit(code)}; "
-                     "starting it again (its requests in flight were lost; new connections wait in its queue)")
+            self.say(f"{self.service.policy.name}: the front (PID {self.proc.pid}) {describe_exit(code)}; starting "
+                     f"it again ({self._in_flight()} request(s) in flight on it were lost, counted in "
+                     "restartkit_front_requests_lost_with_front_total; new connections wait in its queue)")
             time.sleep(RESTART_PAUSE_S)
             if not self._stopping.is_set():
                 self._spawn()
+
+    @property
+    def counts_file(self):
+        return self.service.state_dir / "front.counts.json"
+
+    def _in_flight(self) -> int | str:
+        try:
+            return int(json.loads(self.counts_file.read_text())["in_flight"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return "an unknown number of"
 
     def describe(self) -> dict | None:
         if not self.wanted or self.proc is None:
