@@ -29,7 +29,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, ask, print_verdicts  # noqa: E402
+from benchlib import ROOT, print_verdicts, reference_model  # noqa: E402
 
 from restartkit.clients import ClientLoad  # noqa: E402
 from restartkit.engines.reference import CPU_ENV  # noqa: E402
@@ -149,14 +149,8 @@ def main() -> int:
     p.add_argument("--remove-model", action="store_true")
     a = p.parse_args()
     gpu = a.device.startswith("cuda")
-    preset = a.preset or ("8b-shape" if gpu else "tiny")
     work = Path(a.work)
-    work.mkdir(parents=True, exist_ok=True)
-    model = work / preset
-    if not (model / "config.json").exists():
-        t0 = time.perf_counter()
-        ask("model", "create", "--preset", preset, "--out", model, "--device", a.device, check=True)
-        print(f"model {preset} written in {time.perf_counter() - t0:.0f} s", flush=True)
+    model, preset = reference_model(a.work, a.device, a.preset)
     proc = serve(model, a.device, a.port, a.max_num_seqs, work / "engine.log")
     try:
         got = measure(a.port, a.tokens, a.seconds)

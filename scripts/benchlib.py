@@ -34,6 +34,19 @@ def ask(*args, check=False) -> subprocess.CompletedProcess:
     return r
 
 
+def reference_model(work: str, device: str, preset: str | None) -> tuple[Path, str]:
+    """(checkpoint, preset) of the reference engine under `work`, written once (`restartkit model create`);
+    the preset defaults to 8b-shape on cuda and tiny on the CPU."""
+    preset = preset or ("8b-shape" if device.startswith("cuda") else "tiny")
+    model = Path(work) / preset
+    model.parent.mkdir(parents=True, exist_ok=True)
+    if not (model / "config.json").exists():
+        t0 = time.perf_counter()
+        ask("model", "create", "--preset", preset, "--out", model, "--device", device, check=True)
+        print(f"model {preset} written in {time.perf_counter() - t0:.0f} s", flush=True)
+    return model, preset
+
+
 def bench_setup(default_work: str, default_port: int, extra=lambda p: None):
     """The arguments every single-service GPU script takes, and its work dirs and model
     (created with `restartkit model create` unless --model names one)."""

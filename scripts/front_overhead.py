@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, ask, print_verdicts  # noqa: E402
+from benchlib import ROOT, print_verdicts, reference_model  # noqa: E402
 
 
 def start(argv: list[str], port: int, log: Path, env: dict | None = None) -> subprocess.Popen:
@@ -101,12 +101,8 @@ def main() -> int:
     p.add_argument("--work", default="/var/tmp/restartkit-front-overhead")
     a = p.parse_args()
     gpu = a.device.startswith("cuda")
-    preset = a.preset or ("8b-shape" if gpu else "tiny")
     work = Path(a.work)
-    work.mkdir(parents=True, exist_ok=True)
-    model = work / preset
-    if not (model / "config.json").exists():
-        ask("model", "create", "--preset", preset, "--out", model, "--device", a.device, check=True)
+    model, preset = reference_model(a.work, a.device, a.preset)
     eport, fport = 18311, 18312
     engine = start(["restartkit.reference.serving.server", "--model", str(model), "--port", str(eport), "--device",
                     a.device, "--max-num-seqs", str(a.clients), "--max-model-len", "1024"], eport, work / "engine.log",
