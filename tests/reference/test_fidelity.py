@@ -1,7 +1,8 @@
 """The reference engine computes what transformers computes, for checkpoints transformers wrote
 (random weights, several Llama configs): greedy token ids equal transformers' own `generate` for
-several prompts, on the CPU.  The canary compares the engine with itself across a restart; this
-compares it with the model's reference implementation.  A config whose math the engine does not
+several prompts, on the CPU, alone and in a batch whose prompts prefill in chunks of a 3-token budget.  The
+canary compares the engine with itself across a restart; this compares it with the model's reference
+implementation.  A config whose math the engine does not
 implement is refused at load, naming the key."""
 import json
 
@@ -11,6 +12,8 @@ transformers = pytest.importorskip("transformers")
 
 from restartkit.reference.sched.engine import Engine, EngineOptions  # noqa: E402
 from restartkit.reference.model.llama import ModelConfig, UnsupportedConfig  # noqa: E402
+from restartkit.reference.sched.scheduler import run_together  # noqa: E402
+from restartkit.reference.sched.sequence import Sampling, Sequence  # noqa: E402
 from tests.hf import checkpoint  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "Restarting an inference server", "a"]
@@ -36,6 +39,10 @@ def engine_ids(path) -> list[list[int]]:
     for p in PROMPTS:
         ids = encode_prompt(tok, p)
         out.append((ids, eng.generate(ids, NEW_TOKENS).tokens))
+    # all together at a budget of 3 tokens a step: prompts cut into chunks beside the others' decode rows
+    together = [Sequence(ids, Sampling(NEW_TOKENS)) for ids, _ in out]
+    run_together(eng, together, 3)
+    assert [s.tokens for s in together] == [t for _, t in out], "chunked in a batch, the answers differ from alone"
     return out
 
 

@@ -40,6 +40,7 @@ from torch import nn
 
 from restartkit.reference.model import kernels
 from restartkit.reference.model.config import ModelConfig, UnsupportedConfig, cache_positions  # noqa: F401
+from restartkit.reference.model.rope import rope_tables
 
 
 @dataclass(frozen=True)
@@ -111,65 +112,6 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-def inv_frequencies(head_dim: int, theta: float, rope: dict | None = None) -> tuple[torch.Tensor, float]:
-    """The rotary inverse frequencies [head_dim/2] in float32 and the factor on cos and sin, as
-    transformers computes them for each rope type (ModelConfig.rope)."""
-    rope = rope or {}
-    kind = rope.get("rope_type", "default")
-    dims = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv = 1.0 / (theta ** dims)
-    if kind in ("default", "dynamic"):
-        return inv, 1.0
-    factor = rope["factor"]
-    if kind == "linear":
-        return inv / factor, 1.0
-    if kind == "llama3":
-        old = rope["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old / rope["low_freq_factor"], old / rope["high_freq_factor"]
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
-        smooth = (old / wavelen - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled), 1.0
-    if kind == "yarn":
-        def mscale(scale, m=1.0):
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-        scaling = rope.get("attention_factor")
-        if scaling is None:
-            m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
-            scaling = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
-        fast, slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
-        orig = rope["original_max_position_embeddings"]
-
-        def correction_dim(rotations):
-            return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-        low, high = correction_dim(fast), correction_dim(slow)
-        if rope.get("truncate", True):
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, head_dim - 1)
-        if low == high:
-            high += 0.001
-        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        extrapolate = 1 - ramp
-        pos = theta ** dims
-        return (1.0 / (factor * pos)) * (1 - extrapolate) + (1.0 / pos) * extrapolate, float(scaling)
-    raise UnsupportedConfig(f"rope_type {kind!r} is not implemented")
-
-
-def rope_tables(head_dim: int, max_len: int, theta: float, dtype: torch.dtype,
-                device, rope: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of every position, [max_len, head_dim] in `dtype`, computed on the host.
-    The first half of sin is negated, so that rotating half of x needs no negation:
-    (-x2) * s == x2 * (-s) exactly, the same values as the "rotate half" form."""
-    inv_freq, scaling = inv_frequencies(head_dim, theta, rope)
-    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos() * scaling, emb.sin() * scaling
-    sin[:, : head_dim // 2].neg_()
-    return cos.to(dtype).to(device), sin.to(dtype).to(device)
-
-
 apply_rope = kernels.rotate  # x [T, heads, head_dim]; cos, sin (first half negated) [T, head_dim] in x's dtype
 
 
@@ -219,18 +161,45 @@ class Attention(nn.Module):
     def forward(self, x, tables, positions, rows, slot, cache_k, cache_v, blocked):
         """One sequence's T tokens in slot `slot` (rows: that slot, T times) of cache_k, cache_v [slots, n_kv,
         positions, hd]; tables: the rotary (cos, sin); blocked: [T, span], True where query t may not see key j."""
-        T, hd, n_kv = x.shape[0], self.head_dim, self.n_kv
-        group = self.n_heads // n_kv  # query heads per KV head
         q, k, v = self.qkv(x)
         q = kernels.rope_write_kv(q, k, v, *tables, positions, rows, cache_k, cache_v)
-        cache_k, cache_v = cache_k[slot], cache_v[slot]
+        out = self.attend_segment(q, cache_k[slot], cache_v[slot], blocked)
+        return self.par.reduce(self.o_proj(out.reshape(x.shape[0], self.n_heads * self.head_dim)))
+
+    def attend_segment(self, q, cache_k, cache_v, blocked):
+        """Consecutive tokens of one sequence, q [T, heads, hd] (their keys and values written), against its
+        slot's cache_k, cache_v [n_kv, positions, hd]: matrix products over the keys up to the last of them
+        (blocked [T, span], True where query t may not see key j).  Returns [T, heads, hd]."""
+        T, hd, n_kv = q.shape[0], self.head_dim, self.n_kv
+        group = self.n_heads // n_kv  # query heads per KV head
         # query head h reads KV head h // group: per KV head, its group's queries are rows (g, t)
         q = q.view(T, n_kv, group, hd).permute(1, 2, 0, 3).reshape(n_kv, group * T, hd)
         span = blocked.shape[-1]  # keys up to the last position of these tokens
         cache_k, cache_v = cache_k[:, :span], cache_v[:, :span]
         scores = torch.bmm(q, cache_k.transpose(1, 2)).float() * hd ** -0.5  # [n_kv, group*T, span]
-        probs = scores.masked_fill(blocked.repeat(group, 1), float("-inf")).softmax(-1).to(x.dtype)
-        out = torch.bmm(probs, cache_v).view(n_kv, group, T, hd).permute(2, 0, 1, 3)
+        probs = scores.masked_fill(blocked.repeat(group, 1), float("-inf")).softmax(-1).to(q.dtype)
+        return torch.bmm(probs, cache_v).view(n_kv, group, T, hd).permute(2, 0, 1, 3).reshape(T, self.n_heads, hd)
+
+    def mixed(self, x, tables, step: "MixedStep", cache_k, cache_v):
+        """A step of decode rows and prompt chunks together (MixedStep): one matrix product for q, k and v
+        and one for the output, every row's key and value written before any row attends; the decode rows'
+        attention in one call (a GPU's decode kernel, else matrix products over their gathered slots), each
+        chunk's over its own slot."""
+        T, hd, n_kv = x.shape[0], self.head_dim, self.n_kv
+        q, k, v = self.qkv(x)
+        q = kernels.rope_write_kv(q, k, v, *tables, step.positions, step.rows, cache_k, cache_v)
+        out = torch.empty_like(q)
+        if step.singles is not None:
+            idx, pos, rows = step.singles
+            qs = q.index_select(0, idx)
+            got = kernels.attend_decode(qs, cache_k, cache_v, pos, rows, cache_k.shape[2] - 1)
+            if got is None:
+                span = step.single_mask.shape[-1]
+                keys, values = cache_k[:, :, :span].index_select(0, rows), cache_v[:, :, :span].index_select(0, rows)
+                got = attend(qs.view(-1, n_kv, self.n_heads // n_kv, hd), keys, values, step.single_mask)
+            out.index_copy_(0, idx, got.reshape(-1, self.n_heads, hd))
+        for r0, n, slot, blocked in step.chunks:
+            out[r0:r0 + n] = self.attend_segment(q[r0:r0 + n], cache_k[slot], cache_v[slot], blocked)
         return self.par.reduce(self.o_proj(out.reshape(T, self.n_heads * hd)))
 
 
@@ -313,6 +282,14 @@ class DecoderLayer(nn.Module):
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         x, h = kernels.add_rms_norm(x, delta, norm1.weight, norm1.eps)
         attn = self.self_attn.decode(h, tables, positions, rows, gather, cache_k, cache_v, mask)
+        x, h = kernels.add_rms_norm(x, attn, norm2.weight, norm2.eps)
+        return x, self.feed_forward(h)
+
+    def mixed(self, x, delta, tables, step, cache_k, cache_v):
+        """This layer on a mixed step's rows (Attention.mixed), as `decode` takes the stream and delta."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        x, h = kernels.add_rms_norm(x, delta, norm1.weight, norm1.eps)
+        attn = self.self_attn.mixed(h, tables, step, cache_k, cache_v)
         x, h = kernels.add_rms_norm(x, attn, norm2.weight, norm2.eps)
         return x, self.feed_forward(h)
 
@@ -414,6 +391,57 @@ class LlamaForCausalLM(nn.Module):
             x, delta = x.index_select(0, keep), delta.index_select(0, keep)
         norm = self.model.norm
         return self.lm_head(kernels.add_rms_norm(x, delta, norm.weight, norm.eps)[1]).float()
+
+    def mixed(self, tokens: torch.Tensor, segments: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Running sequences' next tokens and prompts' chunks in one forward pass (restartkit.reference.sched's
+        token budget): tokens int64 [T] in row order; segments (slot, first position, length) each.  Returns the
+        logits of each segment's last row [len(segments), vocab], in the model's dtype (a GPU takes the argmax where
+        they are)."""
+        step = MixedStep.build(segments, self._key_pos)
+        x, delta = self.model.embed_tokens(tokens), None
+        for i, layer in enumerate(self.model.layers):
+            x, delta = layer.mixed(x, delta, (self._cos, self._sin), step, self.cache_k[i], self.cache_v[i])
+        x, delta = x.index_select(0, step.last), delta.index_select(0, step.last)
+        norm = self.model.norm
+        return self.lm_head(kernels.add_rms_norm(x, delta, norm.weight, norm.eps)[1])
+
+
+@dataclass
+class MixedStep:
+    """The rows of a mixed step on the device: segments of consecutive tokens of one sequence each (a running
+    sequence's next token, or a chunk of a prompt), their positions and slots (rows), the length-1 segments'
+    rows gathered (singles: row indices, positions, slots; single_mask: their keys past their positions, for the
+    CPU's attention), and each longer one's (first row, length, slot, blocked: [n, span] keys it may not see)."""
+    positions: torch.Tensor
+    rows: torch.Tensor
+    singles: tuple | None
+    single_mask: torch.Tensor | None
+    chunks: list
+    last: torch.Tensor  # each segment's last row: whose logits come back
+
+    @classmethod
+    def build(cls, segments: list[tuple[int, int, int]], key_pos: torch.Tensor) -> "MixedStep":
+        """segments: (slot, first position, length) each, in row order."""
+        dev = key_pos.device
+        positions, rows, singles, chunks, last, r0 = [], [], [], [], [], 0
+        for slot, p0, n in segments:
+            positions += range(p0, p0 + n)
+            rows += [slot] * n
+            if n == 1:
+                singles.append((r0, p0, slot))
+            else:
+                chunks.append((r0, n, slot, p0))
+            r0 += n
+            last.append(r0 - 1)
+        pos_t = torch.tensor(positions, device=dev)
+        chunk_rows = [(r, n, slot, key_pos[:p0 + n].unsqueeze(0) > pos_t[r:r + n].unsqueeze(1))
+                      for r, n, slot, p0 in chunks]
+        single, mask = None, None
+        if singles:
+            idx, pos, slots = (torch.tensor(col, device=dev) for col in zip(*singles))
+            single = idx, pos, slots
+            mask = key_pos[:max(p for _, p, _ in singles) + 1].unsqueeze(0) > pos.unsqueeze(1)
+        return cls(pos_t, torch.tensor(rows, device=dev), single, mask, chunk_rows, torch.tensor(last, device=dev))
 
 
 def init_std(cfg: ModelConfig, name: str) -> float:

@@ -41,7 +41,7 @@ class EngineNotReady(RuntimeError):
 
 
 # what rank 0 tells the other ranks to run (tensor parallel)
-CMD_EXIT, CMD_PREFILL, CMD_DROP_KV, CMD_RESTORE_KV, CMD_DECODE, CMD_SPECULATE = 0, 1, 2, 3, 4, 5
+CMD_EXIT, CMD_PREFILL, CMD_DROP_KV, CMD_RESTORE_KV, CMD_DECODE, CMD_SPECULATE, CMD_MIXED = 0, 1, 2, 3, 4, 5, 6
 
 
 @dataclass
@@ -267,6 +267,18 @@ class ModelRunner:
             return self._graphs.prefill(slot, tokens, start)
         dev = self.device
         return self.model(torch.tensor(tokens, device=dev), torch.arange(start, start + len(tokens)).to(dev), slot)
+
+    @torch.inference_mode()
+    def mixed(self, segments: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+        """Running sequences' next tokens and prompts' chunks in one forward pass, eagerly: segments (slot, first
+        position, tokens) in row order.  The logits of each segment's last token [S, vocab], on the device in the
+        model's dtype."""
+        if self.leads:
+            self._broadcast(CMD_MIXED, [len(segments)], [*(s for s, _, _ in segments), *(p for _, p, _ in segments),
+                                                          *(len(t) for _, _, t in segments),
+                                                          *(x for _, _, t in segments for x in t)])
+        tokens = torch.tensor([x for _, _, t in segments for x in t], device=self.device)
+        return self.model.mixed(tokens, [(slot, p0, len(t)) for slot, p0, t in segments])
 
     def decode_greedy(self, slots: list[int], tokens: list[int], positions: list[int]) -> list[int]:
         """`decode`, each row's likeliest token only."""

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from restartkit.reference.runtime.runner import (CMD_DECODE, CMD_DROP_KV, CMD_EXIT, CMD_PREFILL, CMD_RESTORE_KV,
-                                                 CMD_SPECULATE, EngineNotReady, EngineOptions, ModelRunner)
+from restartkit.reference.runtime.runner import (CMD_DECODE, CMD_DROP_KV, CMD_EXIT, CMD_MIXED, CMD_PREFILL,
+                                                 CMD_RESTORE_KV, CMD_SPECULATE, EngineNotReady, EngineOptions,
+                                                 ModelRunner)
 from restartkit.reference.sched.scheduler import Scheduler, run_alone
 from restartkit.reference.sched.sequence import Sampling, Sequence
 from restartkit.reference.sched.speculative import speculate
@@ -84,6 +85,12 @@ class Engine(ModelRunner):
                 self.prefill(a, data, b)
             elif cmd == CMD_DECODE:
                 self.decode(data[:a], data[a:2 * a], data[2 * a:])
+            elif cmd == CMD_MIXED:  # a segments: slots, first positions, lengths, then every token
+                lens, at, segments = data[2 * a:3 * a], 3 * a, []
+                for slot, p0, n in zip(data[:a], data[a:2 * a], lens):
+                    segments.append((slot, p0, data[at:at + n]))
+                    at += n
+                self.mixed(segments)
             elif cmd == CMD_SPECULATE:  # the same greedy steps as rank 0, its tokens kept here
                 seq = Sequence(data, Sampling(a))
                 seq.slot = b

@@ -4,9 +4,12 @@ sequences join, run and leave (continuous batching).
 Each step, under the engine's lock:
   - sequences whose reader cancelled them leave (a client gone, a stop string met);
   - waiting sequences join while a KV-cache slot is free (max_num_seqs slots);
-  - one chunk of one joining sequence's prompt is prefilled (long prompts take several steps, so a
-    long prompt never stalls the running batch for long); its last chunk yields its first token;
-  - every sequence past its prefill decodes one token, all of them in one forward pass;
+  - every sequence past its prefill decodes one token and, in the same forward pass, joining sequences'
+    prompts are prefilled in chunks, oldest first, up to the step's token budget (max_batched_tokens, counting
+    the decode rows): several short prompts prefill together, and a long one takes several steps, so a running
+    stream waits one step's budget at most, never a whole prompt's prefill.  A prompt's last chunk yields its
+    first token.  A step with decode rows only runs the runner's decode (its CUDA graphs); a step with one chunk
+    and no decode rows the runner's prefill (a graph where one takes the chunk);
   - sequences that met their end-of-sequence token or their max_tokens leave, freeing their slot.
 
 When every running sequence takes the argmax (Sampling.argmax) and nothing waits to join, the next step
@@ -33,7 +36,7 @@ from contextlib import contextmanager
 
 from restartkit.reference.sched.sequence import Event, Sequence, choose, stops
 
-PREFILL_CHUNK = 512  # prompt tokens per prefill step
+MAX_BATCHED_TOKENS = 512  # tokens a step runs by default: decode rows and prompt chunks (vLLM's max_num_batched_tokens)
 HOLD_S = 30.0  # how long waiting sequences wait for weights or a KV cache let go (a snapshot, sleep)
 
 
@@ -46,9 +49,9 @@ class EngineGone(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, runner, max_num_seqs: int, max_waiting: int, prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(self, runner, max_num_seqs: int, max_waiting: int, max_batched_tokens: int = MAX_BATCHED_TOKENS):
         self.runner = runner  # the model runner (restartkit.reference.runtime.runner) whose steps this runs
-        self.max_num_seqs, self.max_waiting, self.prefill_chunk = max_num_seqs, max_waiting, prefill_chunk
+        self.max_num_seqs, self.max_waiting, self.max_batched_tokens = max_num_seqs, max_waiting, max_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_slots = list(range(max_num_seqs))  # a heap: a sequence takes the lowest free slot
@@ -58,8 +61,9 @@ class Scheduler:
         self.stopped = False
         # isolated: sequences that ran in a batch of their own to the end; shared_isolated: ones that did not;
         # ahead: greedy steps launched before the last one's tokens were read
+        # mixed: steps that ran decode rows and prompt chunks (or several chunks) in one forward pass
         self.counts = {"steps": 0, "decode_rows": 0, "prefill_tokens": 0, "finished": 0, "cancelled": 0,
-                       "isolated": 0, "shared_isolated": 0, "ahead": 0}
+                       "isolated": 0, "shared_isolated": 0, "ahead": 0, "mixed": 0}
         self._thread: threading.Thread | None = None
         self._ahead: tuple[list[Sequence], object] | None = None  # sequences and the step launched ahead for them
 
@@ -198,24 +202,59 @@ class Scheduler:
             self.runner.speculate(seq)
             self._leave(seq, None)
             return
-        joining = next((s for s in self.running if s.prefilling), None)
+        joining = [s for s in self.running if s.prefilling]
         decoding = [s for s in self.running if not s.prefilling]
-        if joining is not None:
-            self._prefill_chunk(joining)  # launched while the step run ahead (if any) runs, and after it
-            if self._ahead is not None:  # that step was for the batch before this one joined
-                self._collect_ahead()
-                decoding = [s for s in decoding if s in self.running]
-        if decoding:
+        if not joining:
             self._decode(decoding)
+            return
+        if self._ahead is not None:  # the step run ahead was for the batch before these joined: its tokens first
+            self._collect_ahead()
+            decoding = [s for s in decoding if s in self.running]
+        chunks = self._chunks(joining, self.max_batched_tokens - len(decoding))
+        if not decoding and len(chunks) == 1:
+            self._prefill_chunk(*chunks[0])
+        else:
+            self._mixed(decoding, chunks)
 
-    def _prefill_chunk(self, seq: Sequence) -> None:
-        start = seq.prefilled
-        end = min(len(seq.prompt), start + self.prefill_chunk)
+    @staticmethod
+    def _chunks(joining: list[Sequence], budget: int) -> list[tuple[Sequence, int, int]]:
+        """(sequence, start, end) of the prompt chunks this step prefills: oldest first, `budget` tokens in all
+        (one at least)."""
+        out, budget = [], max(1, budget)
+        for seq in joining:
+            if budget <= 0:
+                break
+            end = min(len(seq.prompt), seq.prefilled + budget)
+            out.append((seq, seq.prefilled, end))
+            budget -= end - seq.prefilled
+        return out
+
+    def _prefill_chunk(self, seq: Sequence, start: int, end: int) -> None:
         logits = self.runner.prefill(seq.slot, seq.prompt[start:end], start)
         seq.prefilled = end
         self.counts["prefill_tokens"] += end - start
         if not seq.prefilling:  # its first token, from the prompt's last position
             self._take(seq, logits[-1].float().cpu())
+
+    def _mixed(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int, int]]) -> None:
+        """Decode rows and prompt chunks in one forward pass; each decode row takes its token, and each prompt
+        whose last chunk ran its first (greedy ones by the argmax where the logits are)."""
+        segments = [(s.slot, s.position, [s.tokens[-1]]) for s in decoding]
+        segments += [(seq.slot, start, seq.prompt[start:end]) for seq, start, end in chunks]
+        logits = self.runner.mixed(segments)
+        self.counts["mixed"] += 1
+        self.counts["decode_rows"] += len(decoding)
+        for seq, start, end in chunks:
+            seq.prefilled = end
+            self.counts["prefill_tokens"] += end - start
+        takers = [*enumerate(decoding), *((len(decoding) + j, seq) for j, (seq, _, _) in enumerate(chunks)
+                                          if not seq.prefilling)]
+        greedy = logits.argmax(dim=-1).tolist() if any(seq.sampling.argmax for _, seq in takers) else None
+        for i, seq in takers:
+            if seq.sampling.argmax:
+                self._took(seq, greedy[i], None, None)
+            else:
+                self._take(seq, logits[i].float().cpu())
 
     def _decode(self, seqs: list[Sequence]) -> None:
         args = [s.slot for s in seqs], [s.tokens[-1] for s in seqs], [s.position for s in seqs]
@@ -317,8 +356,15 @@ class Scheduler:
 
 def run_alone(runner, seq: Sequence) -> None:
     """Run one sequence to its end in this thread, in slot 0 (no scheduler is running: the warm-up)."""
-    sched = Scheduler(runner, 1, 1)
-    seq.slot = heapq.heappop(sched.free_slots)
-    sched.running.append(seq)
+    run_together(runner, [seq])
+
+
+def run_together(runner, seqs: list[Sequence], max_batched_tokens: int = MAX_BATCHED_TOKENS) -> None:
+    """Run `seqs` to their ends in this thread, a slot each, their steps as a serving scheduler would run them
+    (no scheduler is running: the warm-up, tests, scripts)."""
+    sched = Scheduler(runner, len(seqs), len(seqs), max_batched_tokens)
+    for seq in seqs:
+        seq.slot = heapq.heappop(sched.free_slots)
+        sched.running.append(seq)
     while sched.running:
         sched.step()

@@ -36,6 +36,10 @@ def _bounds(p: argparse.ArgumentParser) -> None:
     """How much the engine takes on at once: sequences decoded, sequences waiting, client connections."""
     p.add_argument("--max-num-seqs", type=_positive, default=8,
                    help="sequences decoded at once (KV-cache slots; each holds max-model-len tokens)")
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=512,
+                   help="tokens one step runs: a decode row per running sequence and, in the same forward pass, "
+                        "chunks of joining prompts up to it (a running stream waits one such step at most while a "
+                        "long prompt joins); at least --max-num-seqs")
     p.add_argument("--max-queued-seqs", type=_positive, default=256,
                    help="sequences waiting for a slot; a request that would queue more gets a 503 with Retry-After")
     p.add_argument("--max-connections", type=_positive, default=1024,
@@ -87,6 +91,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-model", default="", help="a draft checkpoint: greedy requests decode speculatively")
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens proposed per round")
     args = p.parse_args(argv)
+    _check(p, args)
+    return args
+
+
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What no single flag's type says: combinations, and the IPC config's JSON."""
+    if args.max_num_batched_tokens < args.max_num_seqs:
+        p.error(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) is less than --max-num-seqs "
+                f"({args.max_num_seqs}): every running sequence decodes a token each step; raise it to at least "
+                f"{args.max_num_seqs}")
     if args.draft_model:
         if args.enable_sleep_mode:
             p.error("--draft-model cannot be combined with --enable-sleep-mode")
@@ -98,7 +112,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise ValueError("not an object")
     except ValueError as e:
         p.error(f"--ipc-config is not a JSON object: {e}")
-    return args
 
 
 def _rebuild_argv(args) -> list[str]:

@@ -136,7 +136,7 @@ def _load(args, state: State, outcome: dict, gate=None) -> None:
         return
     from restartkit.reference.sched.scheduler import Scheduler
     engine.run_ahead = {"auto": None, "on": True, "off": False}[args.run_ahead]
-    scheduler = Scheduler(engine, args.max_num_seqs, args.max_queued_seqs)
+    scheduler = Scheduler(engine, args.max_num_seqs, args.max_queued_seqs, args.max_num_batched_tokens)
     engine.scheduler = scheduler  # the engine's own generate goes through it too
     scheduler.start()
     state.engine, state.scheduler = engine, scheduler
