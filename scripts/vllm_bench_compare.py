@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""`vllm bench serve` (vLLM's own serving benchmark) against the reference engine and against `vllm serve`, on the
+same checkpoint, one engine at a time, on the CPU; a side-by-side table:
+
+    python3 scripts/vllm_bench_compare.py [--preset small] [--concurrency 1,8,16] [--input-len 256]
+        [--output-len 96] [--range-ratio 0.5] [--prompts-per-client 4] [--max-num-seqs 16] [--work /tmp/rk-vbench]
+
+Random prompts (vLLM's `random` dataset, input and output lengths drawn within --range-ratio of the given ones),
+`--ignore-eos`, streamed completions; each engine serves with --max-num-seqs sequences and the same max_model_len,
+float32.  Needs vLLM's CPU build in this interpreter's environment (scripts/setup installs it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from benchlib import ROOT, reference_model
+
+from restartkit.engines.reference import CPU_ENV
+
+BIN = Path(sys.executable).parent
+
+
+def start(kind: str, model: Path, port: int, a, log: Path) -> subprocess.Popen:
+    if kind == "reference":
+        argv = [sys.executable, "-m", "restartkit.reference.serving.server", "--model", str(model), "--port",
+                str(port), "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
+                "--served-model-name", "m", "--max-queued-seqs", "1024"]
+        env = {**os.environ, **CPU_ENV}
+    else:
+        argv = [str(BIN / "vllm"), "serve", str(model), "--port", str(port), "--dtype", "float32",
+                "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
+                "--served-model-name", "m"]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(a.vllm_kv_gib)}
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    end = time.monotonic() + 900
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{kind} exited: {log.read_text()[-3000:]}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+            return proc
+        except OSError:
+            time.sleep(1)
+    stop(proc)
+    raise RuntimeError(f"{kind} did not answer in 900 s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, 15)
+        proc.wait(60)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(proc.pid, 9)
+        proc.wait(30)
+
+
+def bench(model: Path, port: int, clients: int, a, out: Path, name: str) -> dict:
+    subprocess.run([str(BIN / "vllm"), "bench", "serve", "--backend", "vllm", "--base-url",
+                    f"http://127.0.0.1:{port}", "--model", str(model), "--served-model-name", "m", "--tokenizer",
+                    str(model), "--dataset-name", "random", "--random-input-len", str(a.input_len),
+                    "--random-output-len", str(a.output_len), "--random-range-ratio", str(a.range_ratio),
+                    "--num-prompts", str(max(8, clients * a.prompts_per_client)), "--max-concurrency", str(clients),
+                    "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+                    "--save-result", "--result-dir", str(out), "--result-filename", name, "--seed", "0"],
+                   cwd=ROOT, check=True, timeout=3600, stdout=subprocess.DEVNULL)
+    r = json.loads((out / name).read_text())
+    return {k: r.get(k) for k in ("completed", "failed", "output_throughput", "total_token_throughput",
+                                  "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "duration")}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="small")
+    p.add_argument("--concurrency", default="1,8,16")
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=96)
+    p.add_argument("--range-ratio", type=float, default=0.5)
+    p.add_argument("--prompts-per-client", type=int, default=4)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--vllm-kv-gib", type=int, default=2)
+    p.add_argument("--engines", default="reference,vllm")
+    p.add_argument("--port", type=int, default=8795)
+    p.add_argument("--work", default="/tmp/rk-vbench")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    a = p.parse_args()
+    model, _ = reference_model(a.work, "cpu", a.preset)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = {}
+    for kind in a.engines.split(","):
+        proc = start(kind, model, a.port, a, out / f"{kind}.log")
+        try:
+            for c in (int(x) for x in a.concurrency.split(",")):
+                rows[(kind, c)] = bench(model, a.port, c, a, out, f"{kind}-{c}.json")
+                r = rows[(kind, c)]
+                print(f"{kind} x{c}: {r['output_throughput']:.0f} out tok/s, TTFT p50 {r['p50_ttft_ms']:.0f} ms, "
+                      f"TPOT p50 {r['p50_tpot_ms']:.1f} ms, {r['completed']} done, {r['failed']} failed", flush=True)
+        finally:
+            stop(proc)
+    (out / "compare.json").write_text(json.dumps({f"{k}:{c}": v for (k, c), v in rows.items()}, indent=1))
+    print("| clients | engine | output tok/s | total tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | done / failed |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for (kind, c), r in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        print(f"| {c} | {kind} | {r['output_throughput']:,.0f} | {r['total_token_throughput']:,.0f} | "
+              f"{r['p50_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['p50_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} | "
+              f"{r['completed']} / {r['failed']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
