@@ -105,3 +105,13 @@ def test_a_running_stream_waits_one_step_not_a_long_prompts_prefill(tmp_path):
     prefill = statistics.median(alone)
     assert sched.counts["mixed"] >= 2000 // 128
     assert max(gaps) <= prefill / 4, (max(gaps), prefill, sorted(gaps)[-5:])
+
+
+def test_a_budget_below_max_num_seqs_is_refused_naming_both(capsys):
+    from restartkit.reference.serving.args import parse_args
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", "m", "--max-num-seqs", "16", "--max-num-batched-tokens", "8"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--max-num-batched-tokens (8) is less than --max-num-seqs (16)" in err and "at least 16" in err
+    assert parse_args(["--model", "m"]).max_num_batched_tokens == 512
