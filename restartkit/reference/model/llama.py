@@ -194,8 +194,11 @@ class Attention(nn.Module):
             qs = q.index_select(0, idx)
             got = kernels.attend_decode(qs, cache_k, cache_v, pos, rows, cache_k.shape[2] - 1)
             if got is None:
-                span = step.single_mask.shape[-1]
-                keys, values = cache_k[:, :, :span].index_select(0, rows), cache_v[:, :, :span].index_select(0, rows)
+                span, k = step.single_mask.shape[-1], idx.shape[0]
+                keys, values = cache_k[:, :, :span], cache_v[:, :, :span]
+                # the first k slots in order: read in place; else gathered
+                keys, values = (keys[:k], values[:k]) if step.first_slots else (keys.index_select(0, rows),
+                                                                                 values.index_select(0, rows))
                 got = attend(qs.view(-1, n_kv, self.n_heads // n_kv, hd), keys, values, step.single_mask)
             out.index_copy_(0, idx, got.reshape(-1, self.n_heads, hd))
         for r0, n, slot, blocked in step.chunks:
@@ -418,6 +421,7 @@ class MixedStep:
     single_mask: torch.Tensor | None
     chunks: list
     last: torch.Tensor  # each segment's last row: whose logits come back
+    first_slots: bool = False  # the length-1 segments are in slots 0, 1, ... in row order
 
     @classmethod
     def build(cls, segments: list[tuple[int, int, int]], key_pos: torch.Tensor) -> "MixedStep":
@@ -441,7 +445,9 @@ class MixedStep:
             idx, pos, slots = (torch.tensor(col, device=dev) for col in zip(*singles))
             single = idx, pos, slots
             mask = key_pos[:max(p for _, p, _ in singles) + 1].unsqueeze(0) > pos.unsqueeze(1)
-        return cls(pos_t, torch.tensor(rows, device=dev), single, mask, chunk_rows, torch.tensor(last, device=dev))
+        first = [slot for _, _, slot in singles] == list(range(len(singles)))
+        return cls(pos_t, torch.tensor(rows, device=dev), single, mask, chunk_rows, torch.tensor(last, device=dev),
+                   first)
 
 
 def init_std(cfg: ModelConfig, name: str) -> float:

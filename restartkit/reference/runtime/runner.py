@@ -322,8 +322,10 @@ class ModelRunner:
     def _eager_decode(self, tokens: torch.Tensor, slots: list[int], positions: list[int]) -> torch.Tensor:
         """`decode` without a graph, the tokens already on the device; attends up to the batch's last position."""
         dev = self.device
-        return self.model.decode(tokens, torch.tensor(positions, device=dev), torch.tensor(slots, device=dev),
-                                 span=max(positions) + 1)
+        pos = torch.tensor(positions, device=dev)
+        if slots == list(range(len(slots))):  # the first B slots in order: their keys are read in place, not gathered
+            return self.model.decode(tokens, pos, None, span=max(positions) + 1)
+        return self.model.decode(tokens, pos, torch.tensor(slots, device=dev), span=max(positions) + 1)
 
     # ---- tensor parallel: rank 0 tells the others what to run -------------------
     def _broadcast(self, cmd: int, args=(), payload=()) -> None:

@@ -203,7 +203,8 @@ class Scheduler:
             self._leave(seq, None)
             return
         joining = [s for s in self.running if s.prefilling]
-        decoding = [s for s in self.running if not s.prefilling]
+        # in slot order: the first B slots are read in place where the decode step is eager (the CPU)
+        decoding = sorted((s for s in self.running if not s.prefilling), key=lambda s: s.slot)
         if not joining:
             self._decode(decoding)
             return
