@@ -3,7 +3,8 @@
 same checkpoint, one engine at a time, on the CPU; a side-by-side table:
 
     python3 scripts/vllm_bench_compare.py [--preset small] [--concurrency 1,8,16] [--input-len 256]
-        [--output-len 96] [--range-ratio 0.5] [--prompts-per-client 4] [--max-num-seqs 16] [--work /tmp/rk-vbench]
+        [--output-len 96] [--range-ratio 0.5] [--prompts-per-client 4] [--max-num-seqs 16] [--budget N]
+        [--engines reference,vllm] [--work /tmp/rk-vbench]
 
 Random prompts (vLLM's `random` dataset, input and output lengths drawn within --range-ratio of the given ones),
 `--ignore-eos`, streamed completions; each engine serves with --max-num-seqs sequences and the same max_model_len,
@@ -31,7 +32,8 @@ def start(kind: str, model: Path, port: int, a, log: Path) -> subprocess.Popen:
     if kind == "reference":
         argv = [sys.executable, "-m", "restartkit.reference.serving.server", "--model", str(model), "--port",
                 str(port), "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
-                "--served-model-name", "m", "--max-queued-seqs", "1024"]
+                "--served-model-name", "m", "--max-queued-seqs", "1024",
+                *(["--max-num-batched-tokens", str(a.budget)] if a.budget else [])]
         env = {**os.environ, **CPU_ENV}
     else:
         argv = [str(BIN / "vllm"), "serve", str(model), "--port", str(port), "--dtype", "float32",
@@ -73,7 +75,8 @@ def bench(model: Path, port: int, clients: int, a, out: Path, name: str) -> dict
                    cwd=ROOT, check=True, timeout=3600, stdout=subprocess.DEVNULL)
     r = json.loads((out / name).read_text())
     return {k: r.get(k) for k in ("completed", "failed", "output_throughput", "total_token_throughput",
-                                  "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "duration")}
+                                  "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "p50_itl_ms", "p99_itl_ms",
+                                  "duration")}
 
 
 def main() -> int:
@@ -87,6 +90,7 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--vllm-kv-gib", type=int, default=2)
+    p.add_argument("--budget", type=int, default=0, help="the reference engine's --max-num-batched-tokens (0: its default)")
     p.add_argument("--engines", default="reference,vllm")
     p.add_argument("--port", type=int, default=8795)
     p.add_argument("--work", default="/tmp/rk-vbench")
@@ -107,12 +111,13 @@ def main() -> int:
         finally:
             stop(proc)
     (out / "compare.json").write_text(json.dumps({f"{k}:{c}": v for (k, c), v in rows.items()}, indent=1))
-    print("| clients | engine | output tok/s | total tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | done / failed |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| clients | engine | output tok/s | total tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | "
+          "ITL p50 / p99 (ms) | done / failed |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for (kind, c), r in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         print(f"| {c} | {kind} | {r['output_throughput']:,.0f} | {r['total_token_throughput']:,.0f} | "
               f"{r['p50_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['p50_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} | "
-              f"{r['completed']} / {r['failed']} |")
+              f"{r['p50_itl_ms']:.1f} / {r['p99_itl_ms']:.1f} | {r['completed']} / {r['failed']} |")
     return 0
 
 
