@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -29,7 +28,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, print_verdicts, reference_model  # noqa: E402
+from benchlib import print_verdicts, reference_model, start_server, stop_server  # noqa: E402
 
 from restartkit.clients import ClientLoad  # noqa: E402
 from restartkit.engines.reference import CPU_ENV  # noqa: E402
@@ -120,21 +119,9 @@ def batched(port: int, prompt: list[int], n: int, tokens: int) -> list[int]:
 
 
 def serve(model: Path, device: str, port: int, max_num_seqs: int, log: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "restartkit.reference.serving.server", "--model", str(model),
-                             "--device", device, "--port", str(port), "--max-model-len", "1024",
-                             "--max-num-seqs", str(max_num_seqs)], cwd=ROOT, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, env={**os.environ, **CPU_ENV})
-    end = time.monotonic() + 900
-    while time.monotonic() < end:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return proc
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the engine exited: {log.read_text()[-2000:]}")
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the engine did not get ready")
+    return start_server([sys.executable, "-m", "restartkit.reference.serving.server", "--model", str(model), "--device",
+                         device, "--port", str(port), "--max-model-len", "1024", "--max-num-seqs", str(max_num_seqs)],
+                        port, log, env=CPU_ENV)
 
 
 def main() -> int:
@@ -155,8 +142,7 @@ def main() -> int:
     try:
         got = measure(a.port, a.tokens, a.seconds)
     finally:
-        proc.terminate()
-        proc.wait(60)
+        stop_server(proc)
         if a.remove_model:
             shutil.rmtree(model, ignore_errors=True)
     got.update(device=a.device, preset=preset, max_num_seqs=a.max_num_seqs, tokens=a.tokens)

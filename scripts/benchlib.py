@@ -47,6 +47,39 @@ def reference_model(work: str, device: str, preset: str | None) -> tuple[Path, s
     return model, preset
 
 
+def start_server(argv: list[str], port: int, log: Path, env: dict | None = None, path: str = "/health",
+                 wait_s: float = 900) -> subprocess.Popen:
+    """A server (argv: its whole command line) started in its own session from the repository's root, its output
+    in `log`, returned once GET `path` on loopback `port` answers; SystemExit if it exits or does not answer.
+    stop_server ends it and what it started."""
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2)
+            return proc
+        except OSError:
+            if proc.poll() is not None:
+                raise SystemExit(f"{Path(argv[0]).name} {argv[1:3]} exited: {log.read_text()[-3000:]}")
+            time.sleep(0.2)
+    stop_server(proc)
+    raise SystemExit(f"{Path(argv[0]).name} did not answer within {wait_s:.0f} s: see {log}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's session, SIGKILL after 60 s."""
+    import signal
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
 def bench_setup(default_work: str, default_port: int, extra=lambda p: None):
     """The arguments every single-service GPU script takes, and its work dirs and model
     (created with `restartkit model create` unless --model names one)."""

@@ -17,32 +17,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, print_verdicts, reference_model  # noqa: E402
-
-
-def start(argv: list[str], port: int, log: Path, env: dict | None = None) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", *argv], cwd=ROOT, stdout=open(log, "w"),  # noqa: SIM115
-                            stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    end = time.monotonic() + 900
-    while time.monotonic() < end:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return proc
-        except OSError:
-            if proc.poll() is not None:
-                raise SystemExit(f"{argv[0]} exited: see {log}")
-            time.sleep(0.2)
-    proc.kill()
-    raise SystemExit(f"{argv[0]} did not answer within 900 s: see {log}")
+from benchlib import print_verdicts, reference_model, start_server, stop_server  # noqa: E402
 
 
 def one_token_p50(port: int, n: int = 200) -> float:
@@ -104,11 +85,11 @@ def main() -> int:
     work = Path(a.work)
     model, preset = reference_model(a.work, a.device, a.preset)
     eport, fport = 18311, 18312
-    engine = start(["restartkit.reference.serving.server", "--model", str(model), "--port", str(eport), "--device",
-                    a.device, "--max-num-seqs", str(a.clients), "--max-model-len", "1024"], eport, work / "engine.log",
-                   env=None if gpu else {"OMP_NUM_THREADS": "1"})
-    front = start(["restartkit.front", "--listen", f"127.0.0.1:{fport}", "--upstream", f"http://127.0.0.1:{eport}"],
-                  fport, work / "front.log")
+    engine = start_server([sys.executable, "-m", "restartkit.reference.serving.server", "--model", str(model), "--port",
+                           str(eport), "--device", a.device, "--max-num-seqs", str(a.clients), "--max-model-len", "1024"],
+                          eport, work / "engine.log", env=None if gpu else {"OMP_NUM_THREADS": "1"})
+    front = start_server([sys.executable, "-m", "restartkit.front", "--listen", f"127.0.0.1:{fport}", "--upstream",
+                          f"http://127.0.0.1:{eport}"], fport, work / "front.log")
     got = {"direct": {"p50_s": [], "tok_s": [], "errors": 0}, "front": {"p50_s": [], "tok_s": [], "errors": 0}}
     try:
         one_token_p50(eport, 20), one_token_p50(fport, 20)  # warm
@@ -122,8 +103,7 @@ def main() -> int:
                       f"{rate:.0f} tok/s, {errors} errors", flush=True)
     finally:
         for proc in (front, engine):
-            proc.terminate()
-            proc.wait(60)
+            stop_server(proc)
     d, f = ({k: statistics.mean(v) for k, v in got[n].items() if k != "errors"} for n in ("direct", "front"))
     added_ms, lower = (f["p50_s"] - d["p50_s"]) * 1000, 1 - f["tok_s"] / d["tok_s"]
     print(json.dumps({"device": a.device, "preset": preset, "clients": a.clients, "tokens": a.tokens, **got,

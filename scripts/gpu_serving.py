@@ -16,29 +16,16 @@ import json
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
-from benchlib import ROOT, print_verdicts, reference_model
+from benchlib import ROOT, print_verdicts, reference_model, start_server, stop_server
 
 
 def serve(model: Path, a, budget: int, log: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "restartkit.reference.serving.server", "--model", str(model),
-                             "--device", a.device, "--port", str(a.port), "--max-model-len", str(a.max_model_len),
-                             "--max-num-seqs", str(a.max_num_seqs), "--max-num-batched-tokens", str(budget),
-                             "--max-queued-seqs", "1024"], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    end = time.monotonic() + 900
-    while time.monotonic() < end:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{a.port}/health", timeout=2)
-            return proc
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the engine exited: {log.read_text()[-3000:]}")
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("the engine did not get ready in 900 s")
+    return start_server([sys.executable, "-m", "restartkit.reference.serving.server", "--model", str(model), "--device",
+                         a.device, "--port", str(a.port), "--max-model-len", str(a.max_model_len), "--max-num-seqs",
+                         str(a.max_num_seqs), "--max-num-batched-tokens", str(budget), "--max-queued-seqs", "1024"],
+                        a.port, log)
 
 
 def main() -> int:
@@ -70,8 +57,7 @@ def main() -> int:
                             "--prompt-max", str(a.prompt_max), "--answer-max", str(a.answer_max), "--vocab",
                             str(vocab), "--json-out", str(rows_file)], cwd=ROOT, timeout=1800)
         finally:
-            proc.terminate()
-            proc.wait(60)
+            stop_server(proc)
         rows = {r["clients"]: r for r in json.loads(rows_file.read_text())}
         results[budget] = rows
         top, one = rows[max(rows)], rows.get(1)

@@ -17,11 +17,9 @@ import json
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
-from benchlib import ROOT, reference_model
+from benchlib import ROOT, reference_model, start_server, stop_server
 
 from restartkit.engines.reference import CPU_ENV
 
@@ -30,38 +28,15 @@ BIN = Path(sys.executable).parent
 
 def start(kind: str, model: Path, port: int, a, log: Path) -> subprocess.Popen:
     if kind == "reference":
-        argv = [sys.executable, "-m", "restartkit.reference.serving.server", "--model", str(model), "--port",
-                str(port), "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
-                "--served-model-name", "m", "--max-queued-seqs", "1024",
-                *(["--max-num-batched-tokens", str(a.budget)] if a.budget else [])]
-        env = {**os.environ, **CPU_ENV}
-    else:
-        argv = [str(BIN / "vllm"), "serve", str(model), "--port", str(port), "--dtype", "float32",
-                "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
-                "--served-model-name", "m"]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(a.vllm_kv_gib)}
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    end = time.monotonic() + 900
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{kind} exited: {log.read_text()[-3000:]}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
-            return proc
-        except OSError:
-            time.sleep(1)
-    stop(proc)
-    raise RuntimeError(f"{kind} did not answer in 900 s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, 15)
-        proc.wait(60)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        os.killpg(proc.pid, 9)
-        proc.wait(30)
+        return start_server([sys.executable, "-m", "restartkit.reference.serving.server", "--model", str(model), "--port",
+                             str(port), "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
+                             "--served-model-name", "m", "--max-queued-seqs", "1024",
+                             *(["--max-num-batched-tokens", str(a.budget)] if a.budget else [])],
+                            port, log, env=CPU_ENV, path="/v1/models")
+    return start_server([str(BIN / "vllm"), "serve", str(model), "--port", str(port), "--dtype", "float32",
+                         "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
+                         "--served-model-name", "m"], port, log, env={"VLLM_CPU_KVCACHE_SPACE": str(a.vllm_kv_gib)},
+                        path="/v1/models")
 
 
 def bench(model: Path, port: int, clients: int, a, out: Path, name: str) -> dict:
@@ -109,7 +84,7 @@ def main() -> int:
                 print(f"{kind} x{c}: {r['output_throughput']:.0f} out tok/s, TTFT p50 {r['p50_ttft_ms']:.0f} ms, "
                       f"TPOT p50 {r['p50_tpot_ms']:.1f} ms, {r['completed']} done, {r['failed']} failed", flush=True)
         finally:
-            stop(proc)
+            stop_server(proc)
     (out / "compare.json").write_text(json.dumps({f"{k}:{c}": v for (k, c), v in rows.items()}, indent=1))
     print("| clients | engine | output tok/s | total tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | "
           "ITL p50 / p99 (ms) | done / failed |")
