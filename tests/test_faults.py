@@ -135,14 +135,19 @@ def test_a_signal_during_a_criu_restart_ends_it_at_a_safe_point(served, sig):
     assert not snapshot_listing(policy)[-1]["suspect"]
 
 
-def test_sigkill_during_a_criu_restore_is_reconciled_by_the_next_command(served):
+def test_sigkill_during_a_criu_restore_is_reconciled_by_the_next_command(served, tmp_path):
     if os.getuid() != 0 or not CRIU.check_ok:
         pytest.skip("needs root and a working CRIU")
-    policy = served()
+    # CRIU held 3 s after its restore ends: the SIGKILL lands while restart waits on it, however fast the restore
+    # (a tiny engine restores in ~0.2 s: a plain sleep before the kill sometimes found the restart done)
+    wrapper = tmp_path / "criu-held"
+    wrapper.write_text(f'#!/bin/sh\n{CRIU.path} "$@"\nrc=$?\n[ "$1" = restore ] && sleep 3\nexit $rc\n')
+    wrapper.chmod(0o755)
+    policy = served(criu_extra=f'pid_wait_s = 5.0\ncriu_path = "{wrapper}"\n')
     snap = create(policy)
     p = spawn("restart", "--policy", policy, "--strategy", "criu")
     wait_for_line(p, "running criu")
-    time.sleep(0.3)  # inside the restore, or just after it
+    time.sleep(0.3)  # inside the restore, or just after it (CRIU's wrapper still holds)
     os.killpg(p.pid, signal.SIGKILL)
     p.wait(10)
     assert (state_dir(policy) / "intent.json").exists()
