@@ -4,7 +4,6 @@ alone, in a batch, and with its prompt cut at any boundary (the KV cache written
 sequences' decode rows); and a running stream waits one step, not a long prompt's whole prefill, while that prompt
 joins."""
 import statistics
-import threading
 import time
 
 import pytest
