@@ -6,6 +6,12 @@ the reference engine releases text only at a token boundary when asked for ids, 
 text the client has is exactly the text of the ids the journal holds.  A continuation is then a completion
 whose prompt is the prompt's token ids and the ids so far, for the tokens left (restartkit.front.proxy).
 
+A continuation starts where the client's text ends.  An engine holds back the text of tokens that end inside a
+character (their first bytes); vLLM sends their ids at once.  When the engine dies with some held back, the
+continuation's prompt stops before them and the next engine generates them again: their ids are not re-sent, and
+their text comes from that engine, decoded from a character boundary.  (Given a prompt that ends inside a character,
+vLLM's detokenizer put the prompt's whole text into the continuation's first chunk.)
+
 What a continuation means: for greedy requests, and seeded sampling on the reference engine (each token's
 randomness comes from the seed and its position), the whole answer is the one an undisturbed engine gives.
 Unseeded sampling continues with fresh randomness: the tokens delivered stand, the rest is a different draw.
@@ -35,6 +41,8 @@ class Flight:
     prompt_ids: list[int] | None = None  # the prompt's token ids (chat: the rendered conversation), once known
     ids: list[int] = field(default_factory=list)  # the generated tokens the client has (or will get with the answer)
     text: str = ""  # their text
+    clean: int = 0  # how many of `ids` the client has the text of (the rest: a character's first bytes, held back)
+    redo: list[int] = field(default_factory=list)  # held-back tokens the continuation generates again (not re-sent)
     finish: str | None = None
     head: dict | None = None  # the first answer's id, created and model: every chunk after keeps them
     role_sent: bool = False
@@ -59,23 +67,51 @@ class Flight:
         """(route, body) of the request that continues this one on the engine that now serves."""
         if self.prompt_ids is None:  # nothing came back yet: the request itself again
             return ("/v1/chat/completions" if self.chat else "/v1/completions"), self.upstream_body()
+        done = self.ids[:self.clean] if self._may_redo() else self.ids
+        self.redo = self.ids[len(done):]
         left = self.max_tokens
         if left is None:  # chat without a limit: as many as the engine's max_model_len leaves
             if not max_model_len:
                 raise CannotContinue("the engine does not say its max_model_len, and the request set no max_tokens")
             left = max_model_len - len(self.prompt_ids)
-        left -= len(self.ids)
-        if max_model_len and len(self.prompt_ids) + len(self.ids) + max(left, 1) > max_model_len:
+        left -= len(done)
+        if max_model_len and len(self.prompt_ids) + len(done) + max(left, 1) > max_model_len:
             raise CannotContinue(f"the prompt and the {len(self.ids)} tokens generated so far leave no room under "
                                  f"max_model_len ({max_model_len})")
         body = {k: v for k, v in self.body.items() if k not in (
             "messages", "prompt", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options", "user",
             "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")}
         if "min_tokens" in body:
-            body["min_tokens"] = max(0, int(body["min_tokens"]) - len(self.ids))
-        body.update(prompt=self.prompt_ids + self.ids, max_tokens=left, stream=True, return_token_ids=True,
+            body["min_tokens"] = max(0, int(body["min_tokens"]) - len(done))
+        body.update(prompt=self.prompt_ids + done, max_tokens=left, stream=True, return_token_ids=True,
                     stream_options={"include_usage": True})
         return "/v1/completions", body
+
+    def _may_redo(self) -> bool:
+        """Whether a continuation may start at the end of the text the client has (`clean`), generating the tokens
+        held back after it again: when they come out the same (greedy) or the client never saw their ids."""
+        if self.clean >= len(self.ids):
+            return False
+        greedy = self.body.get("temperature") == 0 or self.body.get("top_k") == 1
+        return greedy or not (self.stream and self.body.get("return_token_ids"))
+
+    def take(self, ids: list[int], piece: str) -> list[int]:
+        """An engine's chunk journalled: its ids less those of held-back tokens generated again (the client has
+        them, or has them replaced where a sampled draw differs and it never saw them); returns the new ids."""
+        new = []
+        for t in ids:
+            if self.redo and t == self.redo[0]:
+                self.redo.pop(0)
+                continue
+            if self.redo:  # a different draw: the held-back tokens are replaced from here
+                del self.ids[len(self.ids) - len(self.redo):]
+                self.redo = []
+            new.append(t)
+        self.ids += new
+        self.text += piece
+        if piece:
+            self.clean = len(self.ids) - len(self.redo)
+        return new
 
     def usage(self) -> dict:
         p, c = len(self.prompt_ids or ()), len(self.ids)

@@ -40,7 +40,7 @@ class Front:
         front that died as lost with it."""
         self.upstream, self.wait_s, self.max_in_flight, self.say = upstream.rstrip("/"), wait_s, max_in_flight, say
         self.counts = {"requests": 0, "journalled": 0, "resumed": 0, "continuations": 0, "lost": 0, "refused": 0,
-                       "waited_out": 0, "lost_with_front": 0}
+                       "waited_out": 0, "lost_with_front": 0, "regenerated_held_back": 0}
         self.in_flight = 0  # journalled requests the front holds (waiting for an engine, or answered by one)
         self.passing = 0  # requests passed through as they are, in flight
         self.counts_file = counts_file
@@ -174,6 +174,7 @@ class Front:
                     route, upstream_body = flight.continuation(await self._max_model_len(flight.auth))
                 except CannotContinue as why:
                     return await self._lost(flight.client, flight, str(why))
+                self.counts["regenerated_held_back"] += bool(flight.redo)  # continued from the client's text's end
                 if flight.answering:  # an engine was answering it, and died
                     flight.answering = False
                     flight.resumed += 1
@@ -220,9 +221,7 @@ class Front:
             if prompt is not None and flight.prompt_ids is None:
                 flight.prompt_ids = list(prompt)
             piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content") or ""
-            ids = list(choice.get("token_ids") or ())
-            flight.ids += ids
-            flight.text += piece or ""
+            ids = flight.take(list(choice.get("token_ids") or ()), piece or "")
             finish = choice.get("finish_reason")
             if finish is not None:
                 flight.finish = finish
