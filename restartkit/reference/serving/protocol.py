@@ -340,6 +340,42 @@ def _bounded(pieces, limit_s: float, max_chars: int) -> str:
 
 # ---- text, token by token ------------------------------------------------------------------
 
+class Decoding:
+    """The text of a completion's tokens as they come, each token decoding a few tokens only: the ones since the
+    last point where the text was whole (no character's first bytes pending), with those before them as context, so
+    a decoder that treats a text's first token apart (SentencePiece's leading space) decodes as it does for the
+    whole.  A decoder whose text of the window does not extend its context's (a clean-up that joins across tokens)
+    is decoded whole from then on.  Decoding everything at every token cost a 2,000-token answer's stream 0.13 s
+    of the serving thread on a 258-token vocabulary, growing with the square of the length."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.whole = ""  # the text of tokens[:read]
+        self.context = self.read = 0  # the window decodes tokens[context:], its context tokens[context:read]
+        self.incremental = True
+
+    def add(self, token: int) -> str:
+        """The text of every token so far, a character still incomplete as U+FFFD."""
+        self.tokens.append(token)
+        if not self.incremental:
+            return self._decode(self.tokens)
+        before = self._decode(self.tokens[self.context:self.read])
+        now = self._decode(self.tokens[self.context:])
+        if not now.startswith(before):
+            self.incremental = False
+            return self._decode(self.tokens)
+        new = now[len(before):]
+        if new.endswith("\ufffd"):
+            return self.whole + new
+        self.whole += new
+        self.context, self.read = self.read, len(self.tokens)
+        return self.whole
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
 class TextSoFar:
     """The completion's text as its tokens come (each token the scheduler sends): what may be sent already
     (not a byte of a character still incomplete, not what may turn out to start a stop string), and
@@ -350,17 +386,22 @@ class TextSoFar:
 
     def __init__(self, tokenizer, stop: list[str], send=None, aligned: bool = False):
         self.tokenizer, self.stop, self.send, self.aligned = tokenizer, stop, send, aligned
-        self.tokens: list[int] = []
+        self.decoding = Decoding(tokenizer)
         self.logprobs: list[float | None] = []
         self.top_logprobs: list[dict | None] = []
         self.text, self.sent, self.stopped, self.gone = "", 0, False, False
 
+    @property
+    def tokens(self) -> list[int]:
+        return self.decoding.tokens
+
     def __call__(self, token: int, logprob: float | None = None, top: dict | None = None) -> bool:
-        self.tokens.append(token)
         self.logprobs.append(logprob)
         self.top_logprobs.append(top)
-        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
+        seen = len(self.text.rstrip("\ufffd"))  # the text before a character still incomplete stays
+        full = self.decoding.add(token)
+        # a stop string found now ends in the new text: it starts at most its length back from there
+        cut = min((i for i in (full.find(s, max(0, seen - len(s))) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.text, self.stopped = full[:cut], True
             self._send(len(self.text))
