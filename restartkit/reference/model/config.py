@@ -8,10 +8,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
+KV_BLOCK = 64  # positions a KV-cache block holds (restartkit.reference.model.paged)
+
+
 def cache_positions(max_len: int) -> int:
-    """Positions a KV-cache slot holds: max_len, the spare one (restartkit.reference.model.llama), rounded up
-    to a multiple of 16, so attention kernels read the keys and their mask at aligned strides."""
-    return -(-(max_len + 1) // 16) * 16
+    """Positions a KV-cache slot's block table addresses: max_len rounded up to whole blocks, then a block for the
+    spare position, the last (restartkit.reference.model.paged: where rows nobody reads are written)."""
+    return (-(-max_len // KV_BLOCK) + 1) * KV_BLOCK
 
 class UnsupportedConfig(ValueError):
     """A config.json key whose math the reference engine does not implement: refused, never dropped."""

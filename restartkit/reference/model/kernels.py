@@ -72,28 +72,30 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_table: torch.Tensor,
                   sin_table: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                  cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
+                  cache_k: torch.Tensor, cache_v: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """One token of each of B sequences: q [B, heads, hd], k and v [B, kv_heads, hd]; row b at
-    positions[b] in slot rows[b] of cache_k, cache_v [slots, kv_heads, positions, hd].  Writes the
-    rotated k and v at (rows[b], :, positions[b]); returns the rotated q [B, heads, hd]."""
+    positions[b] in slot rows[b] of cache_k, cache_v [kv_heads, blocks, BLOCK, hd], whose block
+    table[rows[b], positions[b] // BLOCK] holds it (restartkit.reference.model.paged).  Writes the
+    rotated k and v there; returns the rotated q [B, heads, hd]."""
     if fused(q):
-        return _triton().rope_write_kv(q, k, v, cos_table, sin_table, positions, rows, cache_k, cache_v)
+        return _triton().rope_write_kv(q, k, v, cos_table, sin_table, positions, rows, cache_k, cache_v, table)
     cos, sin = cos_table.index_select(0, positions), sin_table.index_select(0, positions)
-    cache_k[rows, :, positions] = rotate(k, cos, sin)
-    cache_v[rows, :, positions] = v
+    block, at = table[rows, positions // cache_k.shape[2]], positions % cache_k.shape[2]
+    cache_k[:, block, at] = rotate(k, cos, sin).transpose(0, 1)
+    cache_v[:, block, at] = v.transpose(0, 1)
     return rotate(q, cos, sin)
 
 
 def attend_decode(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,
-                  rows: torch.Tensor, idle: int) -> torch.Tensor | None:
+                  rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor | None:
     """On a GPU with Triton: each row's query heads q [B, heads, hd] against the keys of slot rows[b] up to
-    positions[b] in cache_k, cache_v [slots, kv_heads, positions, hd], in chunks of 64 keys (a row's keys
-    past its position are never read), the chunks combined in float32; [B, heads, hd].  A row at position
-    `idle` (a slot's spare position: a row nobody reads) attends to the first chunk only.  Elsewhere None:
-    the caller's matrix products over a masked span (restartkit.reference.model.llama.attend)."""
+    positions[b] in cache_k, cache_v [kv_heads, blocks, BLOCK, hd], block by block as table[rows[b]] lists
+    them (a row's keys past its position are never read), the blocks combined in float32; [B, heads, hd].  A
+    row at the spare position (the last the table addresses: a row nobody reads) attends to the first block
+    only.  Elsewhere None: the caller's matrix products over a masked span (restartkit.reference.model.llama.attend)."""
     if not fused(q):
         return None
-    return _triton().attend_decode(q, cache_k, cache_v, positions, rows, idle)
+    return _triton().attend_decode(q, cache_k, cache_v, positions, rows, table)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

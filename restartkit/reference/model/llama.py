@@ -2,18 +2,20 @@
 
 RMSNorm, rotary embeddings (the Hugging Face "rotate half" convention, so other
 engines load the same checkpoint and agree), grouped-query attention, SwiGLU,
-an optional mixture-of-experts MLP, and a static KV cache so that one decode
-step has fixed shapes and can be captured as a CUDA graph.
+an optional mixture-of-experts MLP, and a KV cache whose block table is a
+static tensor, so that one decode step has fixed shapes and can be captured
+as a CUDA graph.
 
 The KV cache has one slot per sequence the scheduler may run at once
-(restartkit.reference.sched).  A prefill runs one sequence's tokens in its
-slot; a decode step runs one token of each running sequence, each in its own
-slot, in one forward pass.  A CUDA graph of the step runs over the first B
-slots (the engine keeps one graph for each power of two up to max_num_seqs),
-its shapes static: the CPU's attention reads a slot's whole span under a
-position mask, a GPU's kernel stops at each row's position.  Each slot has
-one more position than max_model_len (rounded up to 16): where a decode step
-writes the rows of slots that are not decoding.
+(restartkit.reference.sched), and is held in blocks of 64 positions that a
+table maps to each slot (restartkit.reference.model.paged).  A prefill runs one
+sequence's tokens in its slot; a decode step runs one token of each running
+sequence, each in its own slot, in one forward pass.  A CUDA graph of the step
+runs over the first B slots (the engine keeps one graph for each power of two
+up to max_num_seqs), its shapes static: the CPU's attention reads a slot's
+whole span under a position mask, a GPU's kernel stops at each row's position.
+Each slot's table has a last column past max_model_len, the scratch block's:
+where a decode step writes the rows of slots that are not decoding.
 
 The decode step's elementwise work is fused on a GPU (restartkit.reference.
 model.kernels: the residual add with the next norm, rotary embedding with the
@@ -38,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from restartkit.reference.model import kernels
+from restartkit.reference.model import kernels, paged
 from restartkit.reference.model.config import ModelConfig, UnsupportedConfig, cache_positions  # noqa: F401
 from restartkit.reference.model.rope import rope_tables
 
@@ -137,18 +139,19 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * hd, bias=False)
         self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=False)
 
-    def decode(self, x, tables, positions, rows, gather, cache_k, cache_v, mask):
+    def decode(self, x, tables, positions, rows, in_place, cache_k, cache_v, table, mask):
         """One token of each of B sequences: x [B, hidden], row b at positions[b] in slot rows[b] of cache_k,
-        cache_v [slots, n_kv, positions, hd]; gather False: rows are the first B slots (read in place), True:
-        any slots (their keys gathered); tables: the rotary (cos, sin); mask: as `attend` takes it."""
+        cache_v [n_kv, blocks, BLOCK, hd] by the block table (paged.Table); in_place: rows are the first B slots,
+        each in its home blocks (read in place), else their keys are gathered; tables: the rotary (cos, sin); mask:
+        as `attend` takes it."""
         B, hd, n_kv = x.shape[0], self.head_dim, self.n_kv
         q, k, v = self.qkv(x)
-        q = kernels.rope_write_kv(q, k, v, *tables, positions, rows, cache_k, cache_v)
-        out = kernels.attend_decode(q, cache_k, cache_v, positions, rows, cache_k.shape[2] - 1)
+        q = kernels.rope_write_kv(q, k, v, *tables, positions, rows, cache_k, cache_v, table.device)
+        out = kernels.attend_decode(q, cache_k, cache_v, positions, rows, table.device)
         if out is None:
             span = mask.shape[-1]  # the keys attended to: every position, or those up to the batch's last
-            keys, values = cache_k[:, :, :span], cache_v[:, :, :span]
-            keys, values = (keys.index_select(0, rows), values.index_select(0, rows)) if gather else (keys[:B], values[:B])
+            keys = paged.row_keys(cache_k, table, rows, span, in_place)
+            values = paged.row_keys(cache_v, table, rows, span, in_place)
             out = attend(q.view(B, n_kv, self.n_heads // n_kv, hd), keys, values, mask)  # [B, n_kv, group, hd]
         return self.par.reduce(self.o_proj(out.reshape(B, self.n_heads * hd)))
 
@@ -158,51 +161,50 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
         return q.view(T, self.n_heads, hd), k.view(T, self.n_kv, hd), v.view(T, self.n_kv, hd)
 
-    def forward(self, x, tables, positions, rows, slot, cache_k, cache_v, blocked):
-        """One sequence's T tokens in slot `slot` (rows: that slot, T times) of cache_k, cache_v [slots, n_kv,
-        positions, hd]; tables: the rotary (cos, sin); blocked: [T, span], True where query t may not see key j."""
+    def forward(self, x, tables, positions, rows, slot, cache_k, cache_v, table, blocked):
+        """One sequence's T tokens in slot `slot` (rows: that slot, T times) of cache_k, cache_v [n_kv, blocks,
+        BLOCK, hd] by the block table; tables: the rotary (cos, sin); blocked: [T, span], True where query t may
+        not see key j."""
         q, k, v = self.qkv(x)
-        q = kernels.rope_write_kv(q, k, v, *tables, positions, rows, cache_k, cache_v)
-        out = self.attend_segment(q, cache_k[slot], cache_v[slot], blocked)
+        q = kernels.rope_write_kv(q, k, v, *tables, positions, rows, cache_k, cache_v, table.device)
+        out = self.attend_segment(q, cache_k, cache_v, table, slot, blocked)
         return self.par.reduce(self.o_proj(out.reshape(x.shape[0], self.n_heads * self.head_dim)))
 
-    def attend_segment(self, q, cache_k, cache_v, blocked):
+    def attend_segment(self, q, cache_k, cache_v, table, slot, blocked):
         """Consecutive tokens of one sequence, q [T, heads, hd] (their keys and values written), against its
-        slot's cache_k, cache_v [n_kv, positions, hd]: matrix products over the keys up to the last of them
-        (blocked [T, span], True where query t may not see key j).  Returns [T, heads, hd]."""
+        slot's keys and values: matrix products over the keys up to the last of them (blocked [T, span], True
+        where query t may not see key j).  Returns [T, heads, hd]."""
         T, hd, n_kv = q.shape[0], self.head_dim, self.n_kv
         group = self.n_heads // n_kv  # query heads per KV head
         # query head h reads KV head h // group: per KV head, its group's queries are rows (g, t)
         q = q.view(T, n_kv, group, hd).permute(1, 2, 0, 3).reshape(n_kv, group * T, hd)
         span = blocked.shape[-1]  # keys up to the last position of these tokens
-        cache_k, cache_v = cache_k[:, :span], cache_v[:, :span]
+        cache_k, cache_v = paged.slot_keys(cache_k, table, slot, span), paged.slot_keys(cache_v, table, slot, span)
         scores = torch.bmm(q, cache_k.transpose(1, 2)).float() * hd ** -0.5  # [n_kv, group*T, span]
         probs = scores.masked_fill(blocked.repeat(group, 1), float("-inf")).softmax(-1).to(q.dtype)
         return torch.bmm(probs, cache_v).view(n_kv, group, T, hd).permute(2, 0, 1, 3).reshape(T, self.n_heads, hd)
 
-    def mixed(self, x, tables, step: "MixedStep", cache_k, cache_v):
+    def mixed(self, x, tables, step: "MixedStep", cache_k, cache_v, table):
         """A step of decode rows and prompt chunks together (MixedStep): one matrix product for q, k and v
         and one for the output, every row's key and value written before any row attends; the decode rows'
         attention in one call (a GPU's decode kernel, else matrix products over their gathered slots), each
         chunk's over its own slot."""
         T, hd, n_kv = x.shape[0], self.head_dim, self.n_kv
         q, k, v = self.qkv(x)
-        q = kernels.rope_write_kv(q, k, v, *tables, step.positions, step.rows, cache_k, cache_v)
+        q = kernels.rope_write_kv(q, k, v, *tables, step.positions, step.rows, cache_k, cache_v, table.device)
         out = torch.empty_like(q)
         if step.singles is not None:
             idx, pos, rows = step.singles
             qs = q.index_select(0, idx)
-            got = kernels.attend_decode(qs, cache_k, cache_v, pos, rows, cache_k.shape[2] - 1)
+            got = kernels.attend_decode(qs, cache_k, cache_v, pos, rows, table.device)
             if got is None:
-                span, k = step.single_mask.shape[-1], idx.shape[0]
-                keys, values = cache_k[:, :, :span], cache_v[:, :, :span]
-                # the first k slots in order: read in place; else gathered
-                keys, values = (keys[:k], values[:k]) if step.first_slots else (keys.index_select(0, rows),
-                                                                                 values.index_select(0, rows))
+                span = step.single_mask.shape[-1]
+                keys = paged.row_keys(cache_k, table, rows, span, step.in_place)
+                values = paged.row_keys(cache_v, table, rows, span, step.in_place)
                 got = attend(qs.view(-1, n_kv, self.n_heads // n_kv, hd), keys, values, step.single_mask)
             out.index_copy_(0, idx, got.reshape(-1, self.n_heads, hd))
         for r0, n, slot, blocked in step.chunks:
-            out[r0:r0 + n] = self.attend_segment(q[r0:r0 + n], cache_k[slot], cache_v[slot], blocked)
+            out[r0:r0 + n] = self.attend_segment(q[r0:r0 + n], cache_k, cache_v, table, slot, blocked)
         return self.par.reduce(self.o_proj(out.reshape(T, self.n_heads * hd)))
 
 
@@ -270,29 +272,29 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, par)
 
-    def forward(self, x, delta, tables, positions, rows, slot, cache_k, cache_v, blocked):
+    def forward(self, x, delta, tables, positions, rows, slot, cache_k, cache_v, table, blocked):
         """This layer on one sequence's tokens, as `decode` takes the residual stream and delta."""
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         x, h = kernels.add_rms_norm(x, delta, norm1.weight, norm1.eps)
-        attn = self.self_attn(h, tables, positions, rows, slot, cache_k, cache_v, blocked)
+        attn = self.self_attn(h, tables, positions, rows, slot, cache_k, cache_v, table, blocked)
         x, h = kernels.add_rms_norm(x, attn, norm2.weight, norm2.eps)
         return x, self.feed_forward(h)
 
-    def decode(self, x, delta, tables, positions, rows, gather, cache_k, cache_v, mask):
+    def decode(self, x, delta, tables, positions, rows, in_place, cache_k, cache_v, table, mask):
         """This layer's decode step on the residual stream x and the previous layer's output not yet added
         (delta; None at the first layer): each add goes with the norm after it (kernels.add_rms_norm).
         Returns (the stream, this layer's output not yet added)."""
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         x, h = kernels.add_rms_norm(x, delta, norm1.weight, norm1.eps)
-        attn = self.self_attn.decode(h, tables, positions, rows, gather, cache_k, cache_v, mask)
+        attn = self.self_attn.decode(h, tables, positions, rows, in_place, cache_k, cache_v, table, mask)
         x, h = kernels.add_rms_norm(x, attn, norm2.weight, norm2.eps)
         return x, self.feed_forward(h)
 
-    def mixed(self, x, delta, tables, step, cache_k, cache_v):
+    def mixed(self, x, delta, tables, step, cache_k, cache_v, table):
         """This layer on a mixed step's rows (Attention.mixed), as `decode` takes the stream and delta."""
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         x, h = kernels.add_rms_norm(x, delta, norm1.weight, norm1.eps)
-        attn = self.self_attn.mixed(h, tables, step, cache_k, cache_v)
+        attn = self.self_attn.mixed(h, tables, step, cache_k, cache_v, table)
         x, h = kernels.add_rms_norm(x, attn, norm2.weight, norm2.eps)
         return x, self.feed_forward(h)
 
@@ -323,6 +325,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.cache_k: torch.Tensor | None = None
         self.cache_v: torch.Tensor | None = None
+        self.kv: paged.Table | None = None  # the block table
         self.max_len = self.slots = 0
         self._cos = self._sin = self._key_pos = None
 
@@ -333,15 +336,18 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     # ---- KV cache -------------------------------------------------------
-    def allocate_kv_cache(self, max_len: int, slots: int = 1) -> int:
-        """Allocate the static KV cache: `slots` sequences of up to max_len tokens each (and the spare
-        position, `scratch`); returns its size in bytes."""
+    def allocate_kv_cache(self, max_len: int, slots: int = 1, blocks: int | None = None) -> int:
+        """Allocate the KV cache (restartkit.reference.model.paged): `blocks` blocks (None: every slot's at
+        max_len, and the scratch block) for `slots` sequences of up to max_len tokens; returns its size in bytes."""
         cfg = self.config
         ref = self.lm_head.weight
         positions = cache_positions(max_len)
-        shape = (cfg.num_hidden_layers, slots, cfg.num_key_value_heads // self.par.tp_size, positions, cfg.head_dim)
+        cols = positions // paged.BLOCK
+        blocks = blocks or paged.home_blocks(slots, cols)
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads // self.par.tp_size, blocks, paged.BLOCK, cfg.head_dim)
         self.cache_k = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
         self.cache_v = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
+        self.kv = paged.Table(slots, cols, blocks, ref.device)
         self.max_len, self.slots = max_len, slots
         self._cos, self._sin = rope_tables(cfg.head_dim, positions, cfg.rope_theta, ref.dtype, ref.device, cfg.rope)
         self._key_pos = torch.arange(positions).to(ref.device)
@@ -354,7 +360,7 @@ class LlamaForCausalLM(nn.Module):
         return cache_positions(self.max_len) - 1
 
     def drop_kv_cache(self) -> None:
-        self.cache_k = self.cache_v = None
+        self.cache_k = self.cache_v = self.kv = None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -363,17 +369,18 @@ class LlamaForCausalLM(nn.Module):
         return 2 * self.cache_k.numel() * self.cache_k.element_size()
 
     # ---- forward ----------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int = 0, end: int | None = None) -> torch.Tensor:
         """One sequence: tokens, positions int64 [T] (consecutive: a prompt's chunk, or draft tokens being
-        checked), in KV-cache slot `slot`.  Returns float32 logits [T, vocab]."""
+        checked; `end`: the last one + 1, when the caller knows it), in KV-cache slot `slot`.  Returns float32
+        logits [T, vocab]."""
         # query i may not see key j when j > position_i; keys past the last position are not read at all
-        span = int(positions[-1]) + 1 if positions.device.type == "cpu" else self.max_len + 1
+        span = end if end is not None else int(positions[-1]) + 1
         blocked = self._key_pos[:span].unsqueeze(0) > positions.unsqueeze(1)
         rows = positions.new_full(positions.shape, slot)
         x, delta = self.model.embed_tokens(tokens), None
         for i, layer in enumerate(self.model.layers):
             x, delta = layer(x, delta, (self._cos, self._sin), positions, rows, slot, self.cache_k[i],
-                             self.cache_v[i], blocked)
+                             self.cache_v[i], self.kv, blocked)
         norm = self.model.norm
         return self.lm_head(kernels.add_rms_norm(x, delta, norm.weight, norm.eps)[1]).float()
 
@@ -385,11 +392,12 @@ class LlamaForCausalLM(nn.Module):
         [B, vocab], or of the rows `keep` only.  Rows may share a slot at consecutive positions (a prompt's
         tokens, as a prefill graph runs them): each row's key and value are written before any row attends."""
         rows = self._key_pos[: tokens.shape[0]] if slots is None else slots
+        in_place = slots is None and self.kv.in_place(range(tokens.shape[0]))
         mask = self._key_pos[:span].unsqueeze(0) > positions.unsqueeze(1)  # True: key j is past row b's position
         x, delta = self.model.embed_tokens(tokens), None
         for i, layer in enumerate(self.model.layers):
-            x, delta = layer.decode(x, delta, (self._cos, self._sin), positions, rows, slots is not None,
-                                    self.cache_k[i], self.cache_v[i], mask)
+            x, delta = layer.decode(x, delta, (self._cos, self._sin), positions, rows, in_place,
+                                    self.cache_k[i], self.cache_v[i], self.kv, mask)
         if keep is not None:
             x, delta = x.index_select(0, keep), delta.index_select(0, keep)
         norm = self.model.norm
@@ -400,10 +408,10 @@ class LlamaForCausalLM(nn.Module):
         token budget): tokens int64 [T] in row order; segments (slot, first position, length) each.  Returns the
         logits of each segment's last row [len(segments), vocab], in the model's dtype (a GPU takes the argmax where
         they are)."""
-        step = MixedStep.build(segments, self._key_pos)
+        step = MixedStep.build(segments, self._key_pos, self.kv)
         x, delta = self.model.embed_tokens(tokens), None
         for i, layer in enumerate(self.model.layers):
-            x, delta = layer.mixed(x, delta, (self._cos, self._sin), step, self.cache_k[i], self.cache_v[i])
+            x, delta = layer.mixed(x, delta, (self._cos, self._sin), step, self.cache_k[i], self.cache_v[i], self.kv)
         x, delta = x.index_select(0, step.last), delta.index_select(0, step.last)
         norm = self.model.norm
         return self.lm_head(kernels.add_rms_norm(x, delta, norm.weight, norm.eps)[1])
@@ -421,10 +429,10 @@ class MixedStep:
     single_mask: torch.Tensor | None
     chunks: list
     last: torch.Tensor  # each segment's last row: whose logits come back
-    first_slots: bool = False  # the length-1 segments are in slots 0, 1, ... in row order
+    in_place: bool = False  # the length-1 segments are in slots 0, 1, ... in row order, each in its home blocks
 
     @classmethod
-    def build(cls, segments: list[tuple[int, int, int]], key_pos: torch.Tensor) -> "MixedStep":
+    def build(cls, segments: list[tuple[int, int, int]], key_pos: torch.Tensor, table) -> "MixedStep":
         """segments: (slot, first position, length) each, in row order."""
         dev = key_pos.device
         positions, rows, singles, chunks, last, r0 = [], [], [], [], [], 0
@@ -446,6 +454,7 @@ class MixedStep:
             single = idx, pos, slots
             mask = key_pos[:max(p for _, p, _ in singles) + 1].unsqueeze(0) > pos.unsqueeze(1)
         first = [slot for _, _, slot in singles] == list(range(len(singles)))
+        first = first and bool(singles) and table.in_place(range(len(singles)))
         return cls(pos_t, torch.tensor(rows, device=dev), single, mask, chunk_rows, torch.tensor(last, device=dev),
                    first)
 

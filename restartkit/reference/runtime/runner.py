@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from restartkit.reference.model import kernels
+from restartkit.reference.model import kernels, paged
 from restartkit.reference.model.checkpoint import DTYPES
 from restartkit.reference.model.llama import LlamaForCausalLM, ModelConfig, Parallel, UnsupportedConfig, check_parallel
 from restartkit.reference.model.weights import build_model, processed_weights, set_tensor
@@ -34,6 +34,8 @@ class EngineOptions:
     quantization: str = "none"
     dist_init: str = ""  # tcp://host:port of rank 0, for tp_size > 1
     max_num_seqs: int = 8  # KV-cache slots: the sequences that run at once (restartkit.reference.sched)
+    kv_cache_memory: int = 0  # the KV cache's bytes (0: every slot at max_model_len, or gpu_memory_utilization's)
+    gpu_memory_utilization: float = 0.0  # a GPU: the share of its memory the engine may hold, KV cache included
 
 
 class EngineNotReady(RuntimeError):
@@ -41,7 +43,8 @@ class EngineNotReady(RuntimeError):
 
 
 # what rank 0 tells the other ranks to run (tensor parallel)
-CMD_EXIT, CMD_PREFILL, CMD_DROP_KV, CMD_RESTORE_KV, CMD_DECODE, CMD_SPECULATE, CMD_MIXED = 0, 1, 2, 3, 4, 5, 6
+CMD_EXIT, CMD_PREFILL, CMD_DROP_KV, CMD_RESTORE_KV, CMD_DECODE, CMD_SPECULATE, CMD_MIXED, CMD_TABLE = range(8)
+GRAPH_RESERVE = 1 << 30  # a GPU's memory left out of gpu_memory_utilization's KV cache: graphs, activations
 
 
 @dataclass
@@ -59,6 +62,8 @@ class ModelRunner:
     spec_counts: dict = field(default_factory=lambda: {"rounds": 0, "proposed": 0, "accepted": 0})
     run_ahead: bool | None = None  # None: where decode graphs run (see runs_ahead)
     _last_greedy: Launch | None = None  # the last greedy step without graphs (a chained step's tokens)
+    blocks: paged.Blocks | None = None  # who holds which KV-cache block, where the cache is paged
+    kv_blocks: int | None = None  # the KV cache's blocks (None: every slot at max_model_len)
 
     # ---- start-up ----------------------------------------------------------
     @property
@@ -122,6 +127,8 @@ class ModelRunner:
         would not fit in this device's memory at all: a config.json with absurd sizes fails in seconds."""
         weights, cache = self.config.estimate_bytes(self.dtype.itemsize, self.slots, self.options.max_model_len,
                                                     self.options.tp_size)
+        if self.options.kv_cache_memory or self.options.gpu_memory_utilization:
+            cache = self.options.kv_cache_memory  # a budget: checked against it when the cache is sized
         need = cache + (weights if from_disk else 0)
         total = device_memory(self.device)
         if total and need > total:
@@ -145,12 +152,64 @@ class ModelRunner:
 
     def activate(self) -> None:
         """What needs the device to itself: KV cache, warm-up, graph capture."""
-        self._timed("kv_cache_alloc", self.model.allocate_kv_cache, self.options.max_model_len, self.slots)
+        self.kv_blocks = self._kv_blocks()
+        self._timed("kv_cache_alloc", self._allocate_kv)
         graph = self.device.type == "cuda" and self.options.cuda_graph and self.options.tp_size == 1
         # the capture runs the decode step eagerly first: the warm-up then needs only the prefill
         self._timed("warmup", self.warmup, 1 if graph else 2)
         if graph:
             self._timed("cuda_graph_capture", self.capture_decode_graph)
+
+    def _kv_blocks(self) -> int | None:
+        """The KV cache's blocks from its budget (kv_cache_memory, or gpu_memory_utilization of the GPU less what
+        is held already); None: every slot at max_model_len (restartkit.reference.model.paged)."""
+        o, cfg = self.options, self.config
+        if self.is_draft or not (o.kv_cache_memory or (o.gpu_memory_utilization and self.device.type == "cuda")):
+            return None
+        per_block = 2 * cfg.num_hidden_layers * (cfg.num_key_value_heads // o.tp_size) * paged.BLOCK * cfg.head_dim \
+            * self.dtype.itemsize
+        if o.kv_cache_memory:
+            budget, said = o.kv_cache_memory, f"--kv-cache-memory {o.kv_cache_memory}"
+        else:
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * o.gpu_memory_utilization) - (total - free) - GRAPH_RESERVE
+            said = f"--gpu-memory-utilization {o.gpu_memory_utilization} ({max(budget, 0) >> 20} MiB left for it)"
+        blocks, one = budget // per_block, paged.columns(o.max_model_len)  # one sequence at max_model_len, scratch
+        if blocks < one:
+            raise UnsupportedConfig(f"a KV cache of {said} holds {max(blocks - 1, 0)} blocks of {paged.BLOCK} tokens "
+                                    f"({per_block} bytes each); one sequence of max_model_len {o.max_model_len} needs "
+                                    f"{one - 1}: give it more, or lower --max-model-len")
+        return int(blocks)
+
+    def _allocate_kv(self) -> None:
+        self.model.allocate_kv_cache(self.options.max_model_len, self.slots, self.kv_blocks)
+        self.blocks = None if self.model.kv.static else paged.Blocks(self.model.kv)
+
+    def reserve(self, slot: int, upto: int) -> bool:
+        """KV-cache blocks for positions [0, upto) of the sequence in `slot`; False when too few are free (the
+        scheduler then preempts).  Where every slot has its own blocks, nothing to do."""
+        if self.blocks is None:
+            return True
+        got = self.blocks.reserve(slot, upto)
+        if got is None:
+            return False
+        if got:
+            self._set_blocks(slot, len(self.blocks.held[slot]) - len(got), got)
+        return True
+
+    def release(self, slot: int) -> None:
+        """The blocks of the sequence in `slot` back (it left, or was preempted)."""
+        if self.blocks is not None and (n := self.blocks.release(slot)):
+            self._set_blocks(slot, 0, [0] * n)  # a write at a position it no longer holds lands in scratch
+
+    def free_blocks(self) -> int | None:
+        """KV-cache blocks no sequence holds; None where every slot has its own."""
+        return None if self.blocks is None else self.blocks.available
+
+    def _set_blocks(self, slot: int, col: int, ids: list[int]) -> None:
+        if self.leads:
+            self._broadcast(CMD_TABLE, [slot, col], ids)
+        self.model.kv.set(slot, col, ids)
 
     @property
     def slots(self) -> int:
@@ -235,9 +294,11 @@ class ModelRunner:
     def warmup(self, max_tokens: int = 2) -> None:
         """A real forward pass, prefill then greedy decode steps in slot 0: /health says ready only after this ran."""
         tokens = [self.config.bos_token_id, 1, 2, 3]
+        self.reserve(0, len(tokens) + max_tokens)
         token = int(self.prefill(0, tokens, 0)[-1].argmax())
         for position in range(len(tokens), len(tokens) + max_tokens - 1):
             token = self.decode_greedy([0], [token], [position])[0]
+        self.release(0)
 
     def capture_decode_graph(self) -> None:
         self._graphs = DecodeGraphs(self.model, self.device)
@@ -266,7 +327,8 @@ class ModelRunner:
         if self._graphs is not None and self._graphs.prefills(len(tokens)):  # the last token's logits only
             return self._graphs.prefill(slot, tokens, start)
         dev = self.device
-        return self.model(torch.tensor(tokens, device=dev), torch.arange(start, start + len(tokens)).to(dev), slot)
+        return self.model(torch.tensor(tokens, device=dev), torch.arange(start, start + len(tokens)).to(dev), slot,
+                          start + len(tokens))
 
     @torch.inference_mode()
     def mixed(self, segments: list[tuple[int, int, list[int]]]) -> torch.Tensor:
@@ -323,7 +385,7 @@ class ModelRunner:
         """`decode` without a graph, the tokens already on the device; attends up to the batch's last position."""
         dev = self.device
         pos = torch.tensor(positions, device=dev)
-        if slots == list(range(len(slots))):  # the first B slots in order: their keys are read in place, not gathered
+        if slots == list(range(len(slots))):  # the first B slots in order: read in place where in their home blocks
             return self.model.decode(tokens, pos, None, span=max(positions) + 1)
         return self.model.decode(tokens, pos, torch.tensor(slots, device=dev), span=max(positions) + 1)
 
@@ -363,7 +425,7 @@ class ModelRunner:
 
     def _restore_kv_locked(self) -> None:
         if self.model.cache_k is None:
-            self.model.allocate_kv_cache(self.options.max_model_len, self.slots)
+            self._allocate_kv()
             if self.device.type == "cuda" and self.options.cuda_graph and self.options.tp_size == 1:
                 self.capture_decode_graph()
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from restartkit.reference.runtime.runner import (CMD_DECODE, CMD_DROP_KV, CMD_EXIT, CMD_MIXED, CMD_PREFILL,
-                                                 CMD_RESTORE_KV, CMD_SPECULATE, EngineNotReady, EngineOptions,
-                                                 ModelRunner)
+                                                 CMD_RESTORE_KV, CMD_SPECULATE, CMD_TABLE, EngineNotReady,
+                                                 EngineOptions, ModelRunner)
 from restartkit.reference.sched.scheduler import Scheduler, run_alone
 from restartkit.reference.sched.sequence import Sampling, Sequence
 from restartkit.reference.sched.speculative import speculate
@@ -95,6 +95,8 @@ class Engine(ModelRunner):
                 seq = Sequence(data, Sampling(a))
                 seq.slot = b
                 self.speculate(seq)
+            elif cmd == CMD_TABLE:  # slot a's columns b.. hold these blocks
+                self.model.kv.set(a, b, data)
             elif cmd == CMD_DROP_KV:
                 self._drop_kv_locked()
             elif cmd == CMD_RESTORE_KV:

@@ -12,6 +12,13 @@ Each step, under the engine's lock:
     and no decode rows the runner's prefill (a graph where one takes the chunk);
   - sequences that met their end-of-sequence token or their max_tokens leave, freeing their slot.
 
+Where the KV cache is paged (restartkit.reference.model.paged: a budget smaller than every slot at max_len), a
+sequence joins when blocks for its prompt are free, and each step takes the blocks its rows write into.  When a
+decode row finds none free, the newest running sequence is preempted: it gives back its blocks and slot, and waits
+at the head of the queue; when it joins again its prompt and tokens so far are prefilled (recompute), and it
+decodes on from its last token, its answer the same as if it had never left.  A prompt chunk that finds no
+block free waits for a later step.
+
 When every running sequence takes the argmax (Sampling.argmax) and nothing waits to join, the next step
 is launched before this one's tokens are read, where the engine's launch does not wait (decode graphs): it
 takes each sequence's token on the device, and the host emits this step's tokens while the device computes
@@ -34,6 +41,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 
+from restartkit.reference.model.paged import BLOCK
 from restartkit.reference.sched.sequence import Event, Sequence, choose, stops
 
 MAX_BATCHED_TOKENS = 512  # tokens a step runs by default: decode rows and prompt chunks (vLLM's max_num_batched_tokens)
@@ -63,7 +71,7 @@ class Scheduler:
         # ahead: greedy steps launched before the last one's tokens were read
         # mixed: steps that ran decode rows and prompt chunks (or several chunks) in one forward pass
         self.counts = {"steps": 0, "decode_rows": 0, "prefill_tokens": 0, "finished": 0, "cancelled": 0,
-                       "isolated": 0, "shared_isolated": 0, "ahead": 0, "mixed": 0}
+                       "isolated": 0, "shared_isolated": 0, "ahead": 0, "mixed": 0, "preempted": 0}
         self._thread: threading.Thread | None = None
         self._ahead: tuple[list[Sequence], object] | None = None  # sequences and the step launched ahead for them
 
@@ -166,6 +174,9 @@ class Scheduler:
                 self._hold_or_fail()
                 break
             self.unservable_since = None
+            free = self.runner.free_blocks()
+            if free is not None and free < -(-len(head.context) // BLOCK) + len(self.running):
+                break  # too few KV-cache blocks for its prompt (and one to grow for each running sequence)
             seq = self.waiting.popleft()
             seq.slot = heapq.heappop(self.free_slots)  # the lowest: one stream runs the one-row decode graph
             self.running.append(seq)
@@ -199,23 +210,54 @@ class Scheduler:
                 seq.shared = True
         if self.running[0].isolated and self.runner.draft is not None and self.running[0].sampling.plain_greedy:
             seq = self.running[0]  # speculative decoding: the draft and this model, the whole sequence at once
+            self.runner.reserve(seq.slot, len(seq.prompt) + seq.sampling.max_tokens)  # alone: every block is free
             self.runner.speculate(seq)
             self._leave(seq, None)
             return
         joining = [s for s in self.running if s.prefilling]
         # in slot order: the first B slots are read in place where the decode step is eager (the CPU)
         decoding = sorted((s for s in self.running if not s.prefilling), key=lambda s: s.slot)
+        if not self._room(decoding):
+            return  # one was preempted: the step starts over
         if not joining:
             self._decode(decoding)
             return
         if self._ahead is not None:  # the step run ahead was for the batch before these joined: its tokens first
             self._collect_ahead()
             decoding = [s for s in decoding if s in self.running]
-        chunks = self._chunks(joining, self.max_batched_tokens - len(decoding))
+        chunks = [c for c in self._chunks(joining, self.max_batched_tokens - len(decoding))
+                  if self.runner.reserve(c[0].slot, c[2])]  # a chunk with no block free waits
+        if not decoding and not chunks:
+            self._preempt(self.running[-1])  # prompts whose blocks are all taken: the newest lets go of its own
+            return
         if not decoding and len(chunks) == 1:
             self._prefill_chunk(*chunks[0])
         else:
             self._mixed(decoding, chunks)
+
+    def _room(self, decoding: list[Sequence]) -> bool:
+        """KV-cache blocks for each decode row's position, the oldest sequences' first; where none is free the
+        newest running sequence is preempted (the step run ahead read first) and False returned."""
+        for seq in sorted(decoding, key=self.running.index):
+            if not self.runner.reserve(seq.slot, seq.position + 1):
+                if self._ahead is not None:
+                    self._collect_ahead()
+                if self.running:
+                    self._preempt(self.running[-1])
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """`seq` gives back its KV-cache blocks and slot and waits at the head of the queue, to be prefilled again
+        from its prompt and tokens (see the module's docstring)."""
+        self.running.remove(seq)
+        self.runner.release(seq.slot)
+        heapq.heappush(self.free_slots, seq.slot)
+        seq.slot, seq.prefilled = -1, 0
+        seq.resume = seq.prompt + seq.tokens[:-1] if seq.tokens else None
+        self.counts["preempted"] += 1
+        with self.cond:
+            self.waiting.appendleft(seq)
 
     @staticmethod
     def _chunks(joining: list[Sequence], budget: int) -> list[tuple[Sequence, int, int]]:
@@ -225,23 +267,31 @@ class Scheduler:
         for seq in joining:
             if budget <= 0:
                 break
-            end = min(len(seq.prompt), seq.prefilled + budget)
+            end = min(len(seq.context), seq.prefilled + budget)
             out.append((seq, seq.prefilled, end))
             budget -= end - seq.prefilled
         return out
 
     def _prefill_chunk(self, seq: Sequence, start: int, end: int) -> None:
-        logits = self.runner.prefill(seq.slot, seq.prompt[start:end], start)
+        logits = self.runner.prefill(seq.slot, seq.context[start:end], start)
         seq.prefilled = end
         self.counts["prefill_tokens"] += end - start
-        if not seq.prefilling:  # its first token, from the prompt's last position
+        if not seq.prefilling and not self._resumed(seq):  # its first token, from the prompt's last position
             self._take(seq, logits[-1].float().cpu())
+
+    @staticmethod
+    def _resumed(seq: Sequence) -> bool:
+        """Whether a prefill that just ended was a preempted sequence's (its next token is known: it decodes on)."""
+        if seq.resume is None:
+            return False
+        seq.resume = None
+        return True
 
     def _mixed(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int, int]]) -> None:
         """Decode rows and prompt chunks in one forward pass; each decode row takes its token, and each prompt
         whose last chunk ran its first (greedy ones by the argmax where the logits are)."""
         segments = [(s.slot, s.position, [s.tokens[-1]]) for s in decoding]
-        segments += [(seq.slot, start, seq.prompt[start:end]) for seq, start, end in chunks]
+        segments += [(seq.slot, start, seq.context[start:end]) for seq, start, end in chunks]
         logits = self.runner.mixed(segments)
         self.counts["mixed"] += 1
         self.counts["decode_rows"] += len(decoding)
@@ -249,7 +299,7 @@ class Scheduler:
             seq.prefilled = end
             self.counts["prefill_tokens"] += end - start
         takers = [*enumerate(decoding), *((len(decoding) + j, seq) for j, (seq, _, _) in enumerate(chunks)
-                                          if not seq.prefilling)]
+                                          if not seq.prefilling and not self._resumed(seq))]
         greedy = logits.argmax(dim=-1).tolist() if any(seq.sampling.argmax for _, seq in takers) else None
         for i, seq in takers:
             if seq.sampling.argmax:
@@ -296,7 +346,8 @@ class Scheduler:
         """Whether the next step may start before this one's tokens are read: the engine's launch does not
         wait, nothing waits for a free slot, and no sequence ends by max_tokens at this step's token."""
         return (self.runner.runs_ahead and not (self.waiting and self.free_slots)
-                and all(len(s.tokens) + 1 < s.sampling.max_tokens and not s.cancelled.is_set() for s in seqs))
+                and all(len(s.tokens) + 1 < s.sampling.max_tokens and not s.cancelled.is_set() for s in seqs)
+                and all(self.runner.reserve(s.slot, s.position + 2) for s in seqs))  # the block it writes into
 
     def _collect_ahead(self) -> None:
         """The step launched ahead, read: each of its sequences still running takes its token."""
@@ -330,6 +381,7 @@ class Scheduler:
         """`finish` None: it finished and said so itself (speculative decoding)."""
         if seq in self.running:
             self.running.remove(seq)
+            self.runner.release(seq.slot)
             heapq.heappush(self.free_slots, seq.slot)
             if not self.running:
                 self._drop_ahead()
@@ -360,12 +412,12 @@ def run_alone(runner, seq: Sequence) -> None:
     run_together(runner, [seq])
 
 
-def run_together(runner, seqs: list[Sequence], max_batched_tokens: int = MAX_BATCHED_TOKENS) -> None:
+def run_together(runner, seqs: list[Sequence], max_batched_tokens: int = MAX_BATCHED_TOKENS) -> dict:
     """Run `seqs` to their ends in this thread, a slot each, their steps as a serving scheduler would run them
-    (no scheduler is running: the warm-up, tests, scripts)."""
+    (no scheduler is running: the warm-up, tests, scripts); returns the scheduler's counts."""
     sched = Scheduler(runner, len(seqs), len(seqs), max_batched_tokens)
-    for seq in seqs:
-        seq.slot = heapq.heappop(sched.free_slots)
-        sched.running.append(seq)
-    while sched.running:
+    sched.waiting.extend(seqs)
+    while sched.waiting or sched.running:
+        sched._admit()  # each takes the lowest free slot; a preempted one joins again here
         sched.step()
+    return sched.counts

@@ -79,16 +79,24 @@ class Sequence:
     quiet: bool = False  # its reader wants the whole answer only: tokens are handed over at the end (emit)
     # the scheduler's, below
     slot: int = -1
-    prefilled: int = 0  # prompt tokens in the KV cache
+    prefilled: int = 0  # tokens of its context in the KV cache
     tokens: list[int] = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)
     finished: bool = False
     shared: bool = False  # it ran in a step beside another sequence
     held: list = field(default_factory=list)  # a quiet sequence's token events not handed over yet
 
+    resume: list[int] | None = None  # preempted: what its KV cache is rebuilt from (the prompt, its tokens but the last)
+
+    @property
+    def context(self) -> list[int]:
+        """What its prefill puts in the KV cache: its prompt; after a preemption, its prompt and tokens but the
+        last, which it decodes next (so its tokens go on as if it had never left)."""
+        return self.prompt if self.resume is None else self.resume
+
     @property
     def prefilling(self) -> bool:
-        return self.prefilled < len(self.prompt)
+        return self.prefilled < len(self.context)
 
     @property
     def position(self) -> int:

@@ -117,7 +117,7 @@ class AdminRoutes:
             running, waiting = s.depth
             out["scheduler"] = {"running": running, "waiting": waiting, "max_num_seqs": s.max_num_seqs,
                                 "max_num_batched_tokens": s.max_batched_tokens, "max_queued_seqs": s.max_waiting,
-                                **s.counts}
+                                "kv_cache_blocks": eng.kv_blocks, "kv_blocks_free": eng.free_blocks(), **s.counts}
             if eng.draft is not None:
                 out["speculative"] = {"draft_model": eng.draft.options.model, "tokens": eng.spec_tokens,
                                       **eng.spec_counts}

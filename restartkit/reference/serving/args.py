@@ -26,6 +26,29 @@ def _positive(text: str) -> int:
     return n
 
 
+def _size(text: str) -> int:
+    """Bytes: a number, or one with K, M, G or T (powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        n = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 2G, 512M or a number of bytes)") from None
+    if not 0 < n < 1 << 60:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size above 0")
+    return int(n)
+
+
+def _share(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"{x} is not a share of the GPU's memory in (0, 1]")
+    return x
+
+
 DESCRIPTION = "Serve a checkpoint with the reference engine (OpenAI routes)."
 EXAMPLES = """examples:
   restartkit engine serve --model ./m --port 8000
@@ -34,8 +57,16 @@ EXAMPLES = """examples:
 
 def _bounds(p: argparse.ArgumentParser) -> None:
     """How much the engine takes on at once: sequences decoded, sequences waiting, client connections."""
-    p.add_argument("--max-num-seqs", type=_positive, default=8,
-                   help="sequences decoded at once (KV-cache slots; each holds max-model-len tokens)")
+    p.add_argument("--max-num-seqs", type=_positive, default=None,
+                   help="sequences decoded at once (default 8; with a KV-cache budget below, 64 on the CPU and 256 on "
+                        "a GPU, as many as its blocks hold)")
+    p.add_argument("--kv-cache-memory", type=_size, default=0,
+                   help="the KV cache's size (e.g. 2G): sequences take 64-token blocks of it as they grow, and the "
+                        "newest is preempted (and recomputed later) when none is free; default: every sequence's "
+                        "max-model-len at once")
+    p.add_argument("--gpu-memory-utilization", type=_share, default=0.0,
+                   help="a GPU: the share of its memory the engine may hold; the KV cache is what the weights and "
+                        "1 GiB for graphs leave of it (as --kv-cache-memory)")
     p.add_argument("--max-num-batched-tokens", type=_positive, default=512,
                    help="tokens one step runs: a decode row per running sequence and, in the same forward pass, "
                         "chunks of joining prompts up to it (a running stream waits one such step at most while a "
@@ -97,6 +128,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What no single flag's type says: combinations, and the IPC config's JSON."""
+    if args.max_num_seqs is None:
+        budget = args.kv_cache_memory or (args.gpu_memory_utilization and args.device.startswith("cuda"))
+        args.max_num_seqs = (256 if args.device.startswith("cuda") else 64) if budget else 8
+        args.max_num_seqs = min(args.max_num_seqs, args.max_num_batched_tokens)
     if args.max_num_batched_tokens < args.max_num_seqs:
         p.error(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) is less than --max-num-seqs "
                 f"({args.max_num_seqs}): every running sequence decodes a token each step; raise it to at least "
@@ -123,6 +158,10 @@ def _rebuild_argv(args) -> list[str]:
            "--threads", str(args.threads), "--revision", args.revision]
     if args.dtype:
         out += ["--dtype", args.dtype]
+    if args.kv_cache_memory:
+        out += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    if args.gpu_memory_utilization:
+        out += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.enable_expert_parallel:
         out.append("--enable-expert-parallel")
     if args.no_cuda_graph:

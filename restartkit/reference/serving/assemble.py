@@ -28,7 +28,8 @@ def _make_engine(args, draft: bool = False):
                          max_model_len=args.max_model_len, cuda_graph=not (args.no_cuda_graph or draft),
                          tp_size=args.tensor_parallel_size, tp_rank=rank,
                          expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
-                         dist_init=f"tcp://127.0.0.1:{args.dist_port}", max_num_seqs=args.max_num_seqs)
+                         dist_init=f"tcp://127.0.0.1:{args.dist_port}", max_num_seqs=args.max_num_seqs,
+                         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization)
     return Engine(opts, is_draft=draft)
 
 

@@ -1,0 +1,102 @@
+"""The KV cache in blocks (restartkit.reference.model.paged): with a budget smaller than every sequence at once,
+sequences take blocks as they grow, the newest is preempted when none is free, and every one completes with the
+answer it has alone (its prompt and tokens prefilled again: recompute)."""
+import random
+
+import pytest
+
+from restartkit.reference.model.paged import BLOCK
+from restartkit.reference.sched.engine import Engine, EngineOptions
+from restartkit.reference.sched.scheduler import run_together
+from restartkit.reference.sched.sequence import Sampling, Sequence
+
+
+def block_bytes(eng: Engine) -> int:
+    c = eng.config
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * BLOCK * c.head_dim * eng.dtype.itemsize
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_model):
+    eng = Engine(EngineOptions(model=str(tiny_model), max_model_len=256, max_num_seqs=1))
+    eng.start()
+    return eng
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[256] + [rng.randrange(1, 250) for _ in range(rng.randint(20, 150))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("usable, budget, ahead", [(6, 512, False), (9, 24, False), (5, 64, False), (12, 512, True)])
+def test_a_full_kv_cache_preempts_and_every_sequence_gets_its_answer_alone(tiny_model, alone, usable, budget, ahead):
+    """`ahead`: greedy steps launched before the last one's tokens are read (what CUDA graphs do), each taking
+    the block it writes into first."""
+    ps, answer = prompts(8, seed=usable), 100
+    want = [alone.generate(p, answer).tokens for p in ps]
+    probe = Engine(EngineOptions(model=str(tiny_model), max_model_len=256, max_num_seqs=8))
+    probe.prepare()
+    eng = Engine(EngineOptions(model=str(tiny_model), max_model_len=256, max_num_seqs=8,
+                               kv_cache_memory=(usable + 1) * block_bytes(probe)))
+    eng.start()
+    eng.run_ahead = ahead
+    assert eng.kv_blocks == usable + 1 and eng.free_blocks() == usable
+    seqs = [Sequence(list(p), Sampling(answer, 0.0)) for p in ps]
+    with eng.lock:
+        sched_counts = run_together(eng, seqs, budget)
+    assert [s.tokens for s in seqs] == want
+    assert sched_counts["preempted"] >= 1, sched_counts
+    assert (sched_counts["ahead"] > 0) == ahead, sched_counts
+    assert eng.free_blocks() == usable  # every block back
+
+
+def test_a_budget_that_cannot_hold_one_sequence_is_refused_naming_the_flag(tiny_model):
+    eng = Engine(EngineOptions(model=str(tiny_model), max_model_len=256, max_num_seqs=8, kv_cache_memory=1000))
+    with pytest.raises(ValueError, match="kv-cache-memory 1000 holds 0 blocks.*lower --max-model-len"):
+        eng.start()
+
+
+@pytest.mark.slow
+def test_clients_of_an_engine_whose_kv_cache_holds_few_of_them_all_get_their_answers(tiny_model, alone):
+    """`restartkit engine serve --kv-cache-memory`: 12 streaming clients at once, max-num-seqs defaulting to 64, a
+    cache of 8 blocks: the engine preempts (its stats say how often) and every client gets its answer alone."""
+    import json
+    import threading
+    import urllib.request
+
+    from tests.helpers import serve_reference
+    probe = Engine(EngineOptions(model=str(tiny_model), max_model_len=256))
+    probe.prepare()
+    ps, answer = prompts(12, seed=3), 90
+    want = [alone.generate(p, answer).tokens for p in ps]
+    proc, port = serve_reference(tiny_model, "--served-model-name", "m", "--threads", "1", "--kv-cache-memory", str(9 * block_bytes(probe)))
+    got: dict[int, list[int]] = {}
+
+    def ask(i: int) -> None:
+        body = {"model": "m", "prompt": ps[i], "max_tokens": answer, "temperature": 0, "stream": True,
+                "return_token_ids": True}
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        ids = []
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for line in r:
+                line = line.strip()
+                if line.startswith(b"data: {"):
+                    for ch in json.loads(line[6:])["choices"]:
+                        ids += ch.get("token_ids") or []
+        got[i] = ids
+
+    try:
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(ps))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/stats", timeout=10) as r:
+            s = json.loads(r.read())["scheduler"]
+        assert [got.get(i) for i in range(len(ps))] == want
+        assert s["max_num_seqs"] == 64 and s["kv_cache_blocks"] == 9 and s["kv_blocks_free"] == 8, s
+        assert s["preempted"] >= 1 and s["finished"] >= len(ps), s
+    finally:
+        proc.terminate()
+        proc.wait(30)
