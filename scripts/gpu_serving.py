@@ -3,7 +3,8 @@
 `restartkit engine serve` at one or more token budgets, then a verdict table:
 
     python3 scripts/gpu_serving.py [--device cuda] [--preset 8b-shape] [--budgets 512,2048] [--clients 1,8,32,64]
-        [--seconds 30] [--max-num-seqs 64] [--max-model-len 4096] [--work /tmp/rk-serving]
+        [--seconds 30] [--max-num-seqs 64] [--max-model-len 4096] [--gpu-memory-utilization 0.9]
+        [--work /tmp/rk-serving]
 
 Prompts of 64-2,048 tokens (log-uniform), streamed greedy answers of 32-256 tokens.  The verdicts, at each
 budget: at 64 clients a first token within 1.5 s at p99 and at least 3,400 output tokens/s; one client at most
@@ -24,8 +25,9 @@ from benchlib import ROOT, print_verdicts, reference_model, start_server, stop_s
 def serve(model: Path, a, budget: int, log: Path) -> subprocess.Popen:
     return start_server([sys.executable, "-m", "restartkit.reference.serving.server", "--model", str(model), "--device",
                          a.device, "--port", str(a.port), "--max-model-len", str(a.max_model_len), "--max-num-seqs",
-                         str(a.max_num_seqs), "--max-num-batched-tokens", str(budget), "--max-queued-seqs", "1024"],
-                        a.port, log)
+                         str(a.max_num_seqs), "--max-num-batched-tokens", str(budget), "--max-queued-seqs", "1024",
+                         *(["--gpu-memory-utilization", str(a.gpu_memory_utilization)] if a.gpu_memory_utilization
+                           else [])], a.port, log)
 
 
 def main() -> int:
@@ -37,6 +39,8 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.0,
+                   help="a paged KV cache of this share of the GPU (0: every sequence at max-model-len)")
     p.add_argument("--prompt-max", type=int, default=2048)
     p.add_argument("--answer-max", type=int, default=256)
     p.add_argument("--port", type=int, default=8793)

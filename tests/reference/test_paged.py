@@ -50,6 +50,27 @@ def test_a_full_kv_cache_preempts_and_every_sequence_gets_its_answer_alone(tiny_
     assert eng.free_blocks() == usable  # every block back
 
 
+def test_a_kv_cache_dropped_and_restored_has_its_budget_again(tiny_model, alone):
+    """What sleep and a criu+ipc snapshot do (the runner's drop and restore): the same blocks, all free, and the
+    same answers under preemption after."""
+    probe = Engine(EngineOptions(model=str(tiny_model), max_model_len=256))
+    probe.prepare()
+    eng = Engine(EngineOptions(model=str(tiny_model), max_model_len=256, max_num_seqs=8,
+                               kv_cache_memory=7 * block_bytes(probe)))
+    eng.start()
+    ps = prompts(6, seed=11)
+    want = [alone.generate(p, 80).tokens for p in ps]
+    for _ in range(2):
+        seqs = [Sequence(list(p), Sampling(80, 0.0)) for p in ps]
+        with eng.lock:
+            counts = run_together(eng, seqs, 512)
+        assert [s.tokens for s in seqs] == want and counts["preempted"] >= 1
+        freed = eng.drop_kv_cache()
+        assert freed == 7 * block_bytes(probe) and eng.free_blocks() is None
+        eng.restore_kv_cache()
+        assert eng.kv_blocks == 7 and eng.free_blocks() == 6
+
+
 def test_a_budget_that_cannot_hold_one_sequence_is_refused_naming_the_flag(tiny_model):
     eng = Engine(EngineOptions(model=str(tiny_model), max_model_len=256, max_num_seqs=8, kv_cache_memory=1000))
     with pytest.raises(ValueError, match="kv-cache-memory 1000 holds 0 blocks.*lower --max-model-len"):
@@ -97,6 +118,46 @@ def test_clients_of_an_engine_whose_kv_cache_holds_few_of_them_all_get_their_ans
         assert [got.get(i) for i in range(len(ps))] == want
         assert s["max_num_seqs"] == 64 and s["kv_cache_blocks"] == 9 and s["kv_blocks_free"] == 8, s
         assert s["preempted"] >= 1 and s["finished"] >= len(ps), s
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_follow_rank_0s_block_table(tiny_model):
+    """Two ranks (gloo), a cache of 6 blocks: rank 0 preempts and hands out blocks, and tells the other rank each
+    change; answers under preemption are each request's answer alone on the same engine."""
+    import json
+    import threading
+    import urllib.request
+
+    from tests.helpers import free_port, serve_reference
+    probe = Engine(EngineOptions(model=str(tiny_model), max_model_len=256))
+    probe.prepare()
+    per_rank = block_bytes(probe) // 2  # each rank holds half the KV heads
+    proc, port = serve_reference(tiny_model, "--served-model-name", "m", "--threads", "1", "--tensor-parallel-size",
+                                 "2", "--dist-port", str(free_port()), "--kv-cache-memory", str(7 * per_rank))
+    ps = prompts(6, seed=5)
+
+    def ask(p) -> list[int]:
+        body = {"model": "m", "prompt": p, "max_tokens": 80, "temperature": 0}
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())["choices"][0]["token_ids"]
+
+    try:
+        want = [ask(p) for p in ps]  # one at a time: no preemption
+        got: dict[int, list[int]] = {}
+        threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, ask(ps[i]))) for i in range(len(ps))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/stats", timeout=10) as r:
+            s = json.loads(r.read())["scheduler"]
+        assert [got.get(i) for i in range(len(ps))] == want
+        assert s["preempted"] >= 1 and s["kv_cache_blocks"] == 7, s
     finally:
         proc.terminate()
         proc.wait(30)

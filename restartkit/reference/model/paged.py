@@ -53,7 +53,10 @@ class Table:
         """Columns col.. of `slot` hold blocks `ids` (0: none)."""
         row = self.host[slot]
         row[col:col + len(ids)] = ids
-        self.device[slot, col:col + len(ids)] = torch.tensor(ids, dtype=torch.long)
+        new = torch.tensor(ids, dtype=torch.long)
+        if self.device.is_cuda:  # pinned, so the copy queues behind the steps in flight instead of waiting for them
+            new = new.pin_memory()
+        self.device[slot, col:col + len(ids)].copy_(new, non_blocking=True)
         if any(b not in (0, self.home(slot, c)) for c, b in enumerate(row[:-1])):
             self.away.add(slot)
         else:

@@ -413,6 +413,7 @@ class ModelRunner:
         freed = self.model.kv_cache_bytes
         self.drop_graph()
         self.model.drop_kv_cache()
+        self.blocks = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return freed
