@@ -238,7 +238,10 @@ class Scheduler:
     def _room(self, decoding: list[Sequence]) -> bool:
         """KV-cache blocks for each decode row's position, the oldest sequences' first; where none is free the
         newest running sequence is preempted (the step run ahead read first) and False returned."""
-        for seq in sorted(decoding, key=self.running.index):
+        if self.runner.free_blocks() is None:
+            return True  # every slot has its own blocks
+        age = {s: i for i, s in enumerate(self.running)}
+        for seq in sorted(decoding, key=age.__getitem__):
             if not self.runner.reserve(seq.slot, seq.position + 1):
                 if self._ahead is not None:
                     self._collect_ahead()
