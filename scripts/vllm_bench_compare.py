@@ -7,8 +7,8 @@ same checkpoint, one engine at a time, on the CPU; a side-by-side table:
         [--engines reference,vllm] [--work /tmp/rk-vbench]
 
 Random prompts (vLLM's `random` dataset, input and output lengths drawn within --range-ratio of the given ones),
-`--ignore-eos`, streamed completions; each engine serves with --max-num-seqs sequences and the same max_model_len,
-float32.  Needs vLLM's CPU build in this interpreter's environment (scripts/setup installs it).
+`--ignore-eos`, streamed completions; each engine serves with --max-num-seqs sequences, the same max_model_len and
+the same KV-cache size, float32.  Needs vLLM's CPU build in this interpreter's environment (scripts/setup installs it).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def start(kind: str, model: Path, port: int, a, log: Path) -> subprocess.Popen:
         return start_server([sys.executable, "-m", "restartkit.reference.serving.server", "--model", str(model), "--port",
                              str(port), "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
                              "--served-model-name", "m", "--max-queued-seqs", "1024",
+                             "--kv-cache-memory", f"{a.vllm_kv_gib}G",
                              *(["--max-num-batched-tokens", str(a.budget)] if a.budget else [])],
                             port, log, env=CPU_ENV, path="/v1/models")
     return start_server([str(BIN / "vllm"), "serve", str(model), "--port", str(port), "--dtype", "float32",
@@ -64,7 +65,8 @@ def main() -> int:
     p.add_argument("--prompts-per-client", type=int, default=4)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--vllm-kv-gib", type=int, default=2)
+    p.add_argument("--vllm-kv-gib", type=int, default=2,
+                   help="both engines' KV cache (VLLM_CPU_KVCACHE_SPACE; the reference engine's --kv-cache-memory)")
     p.add_argument("--budget", type=int, default=0, help="the reference engine's --max-num-batched-tokens (0: its default)")
     p.add_argument("--engines", default="reference,vllm")
     p.add_argument("--port", type=int, default=8795)
