@@ -28,19 +28,23 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[256] + [rng.randrange(1, 250) for _ in range(rng.randint(20, 150))] for _ in range(n)]
 
 
-@pytest.mark.parametrize("usable, budget, ahead", [(6, 512, False), (9, 24, False), (5, 64, False), (12, 512, True)])
-def test_a_full_kv_cache_preempts_and_every_sequence_gets_its_answer_alone(tiny_model, alone, usable, budget, ahead):
+COLS = 5  # a row of the cache at max_model_len 256: 4 blocks of 64 positions and one more
+
+
+@pytest.mark.parametrize("rows, budget, ahead", [(1, 512, False), (2, 24, False), (2, 64, False), (3, 512, True)])
+def test_a_full_kv_cache_preempts_and_every_sequence_gets_its_answer_alone(tiny_model, alone, rows, budget, ahead):
     """`ahead`: greedy steps launched before the last one's tokens are read (what CUDA graphs do), each taking
     the block it writes into first."""
-    ps, answer = prompts(8, seed=usable), 100
+    ps, answer = prompts(8, seed=rows + budget), 100
     want = [alone.generate(p, answer).tokens for p in ps]
     probe = Engine(EngineOptions(model=str(tiny_model), max_model_len=256, max_num_seqs=8))
     probe.prepare()
     eng = Engine(EngineOptions(model=str(tiny_model), max_model_len=256, max_num_seqs=8,
-                               kv_cache_memory=(usable + 1) * block_bytes(probe)))
+                               kv_cache_memory=rows * COLS * block_bytes(probe)))
     eng.start()
     eng.run_ahead = ahead
-    assert eng.kv_blocks == usable + 1 and eng.free_blocks() == usable
+    usable = rows * COLS - 1  # the scratch block is no one's
+    assert eng.kv_blocks == rows * COLS and eng.free_blocks() == usable
     seqs = [Sequence(list(p), Sampling(answer, 0.0)) for p in ps]
     with eng.lock:
         sched_counts = run_together(eng, seqs, budget)
@@ -56,7 +60,7 @@ def test_a_kv_cache_dropped_and_restored_has_its_budget_again(tiny_model, alone)
     probe = Engine(EngineOptions(model=str(tiny_model), max_model_len=256))
     probe.prepare()
     eng = Engine(EngineOptions(model=str(tiny_model), max_model_len=256, max_num_seqs=8,
-                               kv_cache_memory=7 * block_bytes(probe)))
+                               kv_cache_memory=2 * COLS * block_bytes(probe)))
     eng.start()
     ps = prompts(6, seed=11)
     want = [alone.generate(p, 80).tokens for p in ps]
@@ -66,9 +70,9 @@ def test_a_kv_cache_dropped_and_restored_has_its_budget_again(tiny_model, alone)
             counts = run_together(eng, seqs, 512)
         assert [s.tokens for s in seqs] == want and counts["preempted"] >= 1
         freed = eng.drop_kv_cache()
-        assert freed == 7 * block_bytes(probe) and eng.free_blocks() is None
+        assert freed == 2 * COLS * block_bytes(probe) and eng.free_blocks() is None
         eng.restore_kv_cache()
-        assert eng.kv_blocks == 7 and eng.free_blocks() == 6
+        assert eng.kv_blocks == 2 * COLS and eng.free_blocks() == 2 * COLS - 1
 
 
 def test_a_budget_that_cannot_hold_one_sequence_is_refused_naming_the_flag(tiny_model):
@@ -90,7 +94,7 @@ def test_clients_of_an_engine_whose_kv_cache_holds_few_of_them_all_get_their_ans
     probe.prepare()
     ps, answer = prompts(12, seed=3), 90
     want = [alone.generate(p, answer).tokens for p in ps]
-    proc, port = serve_reference(tiny_model, "--served-model-name", "m", "--threads", "1", "--kv-cache-memory", str(9 * block_bytes(probe)))
+    proc, port = serve_reference(tiny_model, "--served-model-name", "m", "--threads", "1", "--kv-cache-memory", str(2 * COLS * block_bytes(probe)))
     got: dict[int, list[int]] = {}
 
     def ask(i: int) -> None:
@@ -116,7 +120,7 @@ def test_clients_of_an_engine_whose_kv_cache_holds_few_of_them_all_get_their_ans
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/stats", timeout=10) as r:
             s = json.loads(r.read())["scheduler"]
         assert [got.get(i) for i in range(len(ps))] == want
-        assert s["max_num_seqs"] == 64 and s["kv_cache_blocks"] == 9 and s["kv_blocks_free"] == 8, s
+        assert s["max_num_seqs"] == 64 and s["kv_cache_blocks"] == 2 * COLS and s["kv_blocks_free"] == 2 * COLS - 1, s
         assert s["preempted"] >= 1 and s["finished"] >= len(ps), s
     finally:
         proc.terminate()
@@ -125,7 +129,7 @@ def test_clients_of_an_engine_whose_kv_cache_holds_few_of_them_all_get_their_ans
 
 @pytest.mark.slow
 def test_tensor_parallel_ranks_follow_rank_0s_block_table(tiny_model):
-    """Two ranks (gloo), a cache of 6 blocks: rank 0 preempts and hands out blocks, and tells the other rank each
+    """Two ranks (gloo), a cache of 5 blocks: rank 0 preempts and hands out blocks, and tells the other rank each
     change; answers under preemption are each request's answer alone on the same engine."""
     import json
     import threading
@@ -136,7 +140,7 @@ def test_tensor_parallel_ranks_follow_rank_0s_block_table(tiny_model):
     probe.prepare()
     per_rank = block_bytes(probe) // 2  # each rank holds half the KV heads
     proc, port = serve_reference(tiny_model, "--served-model-name", "m", "--threads", "1", "--tensor-parallel-size",
-                                 "2", "--dist-port", str(free_port()), "--kv-cache-memory", str(7 * per_rank))
+                                 "2", "--dist-port", str(free_port()), "--kv-cache-memory", str(COLS * per_rank))
     ps = prompts(6, seed=5)
 
     def ask(p) -> list[int]:
@@ -157,7 +161,7 @@ def test_tensor_parallel_ranks_follow_rank_0s_block_table(tiny_model):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/stats", timeout=10) as r:
             s = json.loads(r.read())["scheduler"]
         assert [got.get(i) for i in range(len(ps))] == want
-        assert s["preempted"] >= 1 and s["kv_cache_blocks"] == 7, s
+        assert s["preempted"] >= 1 and s["kv_cache_blocks"] == COLS, s
     finally:
         proc.terminate()
         proc.wait(30)

@@ -59,8 +59,7 @@ def test_a_prompt_run_as_rows_of_one_slot_gives_the_prefills_logits(tiny_model):
     prompt = [256, 10, 20, 30, 40, 50, 60]
     with torch.inference_mode():
         want = m(torch.tensor(prompt), torch.arange(len(prompt)), 1)[-1]
-        slot_1 = m.kv.host[1][0]  # slot 1's first block (the prompt fits one)
-        cache = m.cache_k[:, :, slot_1, : len(prompt)].clone()
+        cache = m.cache_k[:, 1, :, : len(prompt)].clone()  # slot 1's home row
         m.cache_k.zero_()
         m.cache_v.zero_()
         for chunk, start in ((prompt[:4], 0), (prompt[4:], 4)):
@@ -70,7 +69,7 @@ def test_a_prompt_run_as_rows_of_one_slot_gives_the_prefills_logits(tiny_model):
                            torch.tensor([1] * 16), keep=torch.tensor([len(chunk) - 1]))
     assert got.shape == (1, want.shape[-1])
     assert torch.allclose(got[0], want, atol=1e-5), float((got[0] - want).abs().max())
-    assert torch.allclose(m.cache_k[:, :, slot_1, : len(prompt)], cache, atol=1e-6)
+    assert torch.allclose(m.cache_k[:, 1, :, : len(prompt)], cache, atol=1e-6)
     assert int(got[0].argmax()) == int(want.argmax())
 
 

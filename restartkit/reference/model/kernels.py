@@ -25,6 +25,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+BLOCK = 64  # positions a KV-cache block holds (restartkit.reference.model.paged)
 NO_TRITON_ENV = "RESTARTKIT_NO_TRITON"  # set (to anything): the torch forms everywhere
 
 
@@ -74,22 +75,24 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_table: 
                   sin_table: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
                   cache_k: torch.Tensor, cache_v: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """One token of each of B sequences: q [B, heads, hd], k and v [B, kv_heads, hd]; row b at
-    positions[b] in slot rows[b] of cache_k, cache_v [kv_heads, blocks, BLOCK, hd], whose block
-    table[rows[b], positions[b] // BLOCK] holds it (restartkit.reference.model.paged).  Writes the
-    rotated k and v there; returns the rotated q [B, heads, hd]."""
+    positions[b] in slot rows[b] of cache_k, cache_v [rows, kv_heads, cols*BLOCK, hd], in the block
+    table[rows[b], positions[b] // BLOCK] (restartkit.reference.model.paged: block i at row i // cols).
+    Writes the rotated k and v there; returns the rotated q [B, heads, hd]."""
     if fused(q):
         return _triton().rope_write_kv(q, k, v, cos_table, sin_table, positions, rows, cache_k, cache_v, table)
     cos, sin = cos_table.index_select(0, positions), sin_table.index_select(0, positions)
-    block, at = table[rows, positions // cache_k.shape[2]], positions % cache_k.shape[2]
-    cache_k[:, block, at] = rotate(k, cos, sin).transpose(0, 1)
-    cache_v[:, block, at] = v.transpose(0, 1)
+    cols = table.shape[1]
+    block = table[rows, positions // BLOCK]
+    row, at = block // cols, (block % cols) * BLOCK + positions % BLOCK
+    cache_k[row, :, at] = rotate(k, cos, sin)
+    cache_v[row, :, at] = v
     return rotate(q, cos, sin)
 
 
 def attend_decode(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,
                   rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor | None:
     """On a GPU with Triton: each row's query heads q [B, heads, hd] against the keys of slot rows[b] up to
-    positions[b] in cache_k, cache_v [kv_heads, blocks, BLOCK, hd], block by block as table[rows[b]] lists
+    positions[b] in cache_k, cache_v [rows, kv_heads, cols*BLOCK, hd], block by block as table[rows[b]] lists
     them (a row's keys past its position are never read), the blocks combined in float32; [B, heads, hd].  A
     row at the spare position (the last the table addresses: a row nobody reads) attends to the first block
     only.  Elsewhere None: the caller's matrix products over a masked span (restartkit.reference.model.llama.attend)."""

@@ -15,7 +15,8 @@ runs over the first B slots (the engine keeps one graph for each power of two
 up to max_num_seqs), its shapes static: the CPU's attention reads a slot's
 whole span under a position mask, a GPU's kernel stops at each row's position.
 Each slot's table has a last column past max_model_len, the scratch block's:
-where a decode step writes the rows of slots that are not decoding.
+where a decode step writes the rows of slots that are not decoding.  Its
+spare position (`scratch`) is the last the table addresses.
 
 The decode step's elementwise work is fused on a GPU (restartkit.reference.
 model.kernels: the residual add with the next norm, rotary embedding with the
@@ -336,18 +337,18 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     # ---- KV cache -------------------------------------------------------
-    def allocate_kv_cache(self, max_len: int, slots: int = 1, blocks: int | None = None) -> int:
-        """Allocate the KV cache (restartkit.reference.model.paged): `blocks` blocks (None: every slot's at
-        max_len, and the scratch block) for `slots` sequences of up to max_len tokens; returns its size in bytes."""
+    def allocate_kv_cache(self, max_len: int, slots: int = 1, rows: int | None = None) -> int:
+        """Allocate the KV cache (restartkit.reference.model.paged): `rows` rows of blocks (None: one per slot, each
+        a sequence of max_len and the spare block) for `slots` sequences of up to max_len tokens; returns its size
+        in bytes."""
         cfg = self.config
         ref = self.lm_head.weight
         positions = cache_positions(max_len)
-        cols = positions // paged.BLOCK
-        blocks = blocks or paged.home_blocks(slots, cols)
-        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads // self.par.tp_size, blocks, paged.BLOCK, cfg.head_dim)
+        rows = rows or slots
+        shape = (cfg.num_hidden_layers, rows, cfg.num_key_value_heads // self.par.tp_size, positions, cfg.head_dim)
         self.cache_k = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
         self.cache_v = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
-        self.kv = paged.Table(slots, cols, blocks, ref.device)
+        self.kv = paged.Table(slots, positions // paged.BLOCK, rows, ref.device)
         self.max_len, self.slots = max_len, slots
         self._cos, self._sin = rope_tables(cfg.head_dim, positions, cfg.rope_theta, ref.dtype, ref.device, cfg.rope)
         self._key_pos = torch.arange(positions).to(ref.device)

@@ -1,18 +1,19 @@
-"""The KV cache in blocks (paged): each layer's keys and values are [kv_heads, blocks, BLOCK, head_dim], and a
-table says which block holds positions c*BLOCK .. c*BLOCK+BLOCK-1 of the sequence in each slot.
+"""The KV cache in blocks (paged): a table says which block holds positions c*BLOCK .. c*BLOCK+BLOCK-1 of the
+sequence in each slot, and the decode kernel reads chunk c of a row from block table[slot, c].
 
-A block is the decode kernel's chunk of keys (64 positions), so the kernel reads chunk c of a row from block
-table[slot, c]; the CPU reads a row's keys in place where its blocks are its slot's own run (below), else gathers
-them.  Block 0 is the scratch block: a slot's last table column is always 0, and its position (`scratch`, the
-last the table addresses) is where a step writes the rows of slots that are not decoding (a CUDA graph's idle
-rows, a prefill graph's padding); a table entry no sequence holds is 0 too, so a write there lands in scratch.
+Each layer's keys (and values) are [rows, kv_heads, cols*BLOCK, hd]: rows of `cols` blocks, block b at row
+b // cols, positions (b % cols)*BLOCK.. of it, where cols is a slot's table width (its blocks at max_len, and
+one more).  Slot s's "home" is row s: its blocks in order, so a sequence in its home blocks is read in place as
+one span of positions (and the first B slots as one strided view, what the CPU's attention takes without a
+copy).  The last block of row 0, `scratch`, is no one's: every slot's last table column and every entry no
+sequence holds point at it, and a step writes there the rows of slots that are not decoding (a CUDA graph's idle
+rows, a prefill graph's padding, a step run ahead for a sequence that has just ended); its position is the last
+the table addresses (LlamaForCausalLM.scratch).
 
-By default the cache holds every slot at max_len: slot s owns blocks 1 + s*(cols-1) .. (its "home"), the table
-never changes, and nothing is allocated per sequence (the layout of a cache of one span per slot).  Given a
-smaller budget, or more slots than the budget holds at max_len (restartkit.reference.runtime.runner: the
-`--kv-cache-memory` and `--gpu-memory-utilization` flags), sequences take blocks as they grow (Blocks) and the
-scheduler preempts the newest when none is free (restartkit.reference.sched.scheduler).  A sequence takes its
-home blocks while they are free, so a slot's keys stay one run and are read in place.
+By default the cache has a row per slot: every slot owns its home, the table never changes, and nothing is
+allocated per sequence.  Given a budget smaller than that (restartkit.reference.runtime.runner:
+`--kv-cache-memory`, `--gpu-memory-utilization`), sequences take blocks as they grow (Blocks), their home ones
+while they are free, and the scheduler preempts the newest when none is free (restartkit.reference.sched).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import heapq
 
 import torch
 
-from restartkit.reference.model.config import KV_BLOCK, cache_positions
+from restartkit.reference.model.config import KV_BLOCK, UnsupportedConfig, cache_positions
 
 BLOCK = KV_BLOCK  # positions a block holds (= kernels.triton_kernels.ATTEND_CHUNK)
 
@@ -30,45 +31,51 @@ def columns(max_len: int) -> int:
     return cache_positions(max_len) // BLOCK
 
 
-def home_blocks(slots: int, cols: int) -> int:
-    """Blocks for every slot at max_len: the scratch block, then each slot's run."""
-    return 1 + slots * (cols - 1)
+def rows_for(budget: int, said: str, cfg, tp_size: int, itemsize: int, max_len: int, slots: int) -> int:
+    """The rows a KV-cache budget of `budget` bytes holds (`said`: where it came from, for the error), at most a
+    row per slot (all that slots can use); refused when it holds not even one (one sequence at max_len)."""
+    per_block = 2 * cfg.num_hidden_layers * (cfg.num_key_value_heads // tp_size) * BLOCK * cfg.head_dim * itemsize
+    cols = columns(max_len)
+    rows = budget // (cols * per_block)
+    if rows < 1:
+        raise UnsupportedConfig(f"a KV cache of {said} holds {max(budget // per_block, 0)} blocks of {BLOCK} tokens "
+                                f"({per_block} bytes each); one sequence of max_model_len {max_len} needs {cols}, the "
+                                "spare block included: give it more, or lower --max-model-len")
+    return int(min(rows, slots))
 
 
 class Table:
     """The block table on the device ([slots, cols], read by the kernels and CUDA graphs) and its host copy."""
 
-    def __init__(self, slots: int, cols: int, blocks: int, device):
-        self.slots, self.cols, self.blocks = slots, cols, blocks
-        self.static = blocks >= home_blocks(slots, cols)  # every slot owns its home: nothing is allocated
-        self.host = [[self.home(s, c) if self.static and c < cols - 1 else 0 for c in range(cols)]
+    def __init__(self, slots: int, cols: int, rows: int, device):
+        self.slots, self.cols, self.rows = slots, cols, rows
+        self.blocks = rows * cols
+        self.scratch = cols - 1
+        self.static = rows >= slots  # every slot owns its home row: nothing is allocated
+        self.host = [[self.home(s, c) if self.static and c < cols - 1 else self.scratch for c in range(cols)]
                      for s in range(slots)]
         self.device = torch.tensor(self.host, dtype=torch.long, device=device)
         self.away: set[int] = set()  # slots holding a block that is not their home's
 
     def home(self, slot: int, col: int) -> int:
-        return 1 + slot * (self.cols - 1) + col
+        return slot * self.cols + col
 
     def set(self, slot: int, col: int, ids: list[int]) -> None:
-        """Columns col.. of `slot` hold blocks `ids` (0: none)."""
+        """Columns col.. of `slot` hold blocks `ids` (scratch: none)."""
         row = self.host[slot]
         row[col:col + len(ids)] = ids
         new = torch.tensor(ids, dtype=torch.long)
         if self.device.is_cuda:  # pinned, so the copy queues behind the steps in flight instead of waiting for them
             new = new.pin_memory()
         self.device[slot, col:col + len(ids)].copy_(new, non_blocking=True)
-        if any(b not in (0, self.home(slot, c)) for c, b in enumerate(row[:-1])):
+        if any(b not in (self.scratch, self.home(slot, c)) for c, b in enumerate(row[:-1])):
             self.away.add(slot)
         else:
             self.away.discard(slot)
 
     def in_place(self, slots) -> bool:
-        """Whether these slots' keys are their home runs (read as a view of the cache, not gathered)."""
-        return home_blocks(max(slots) + 1, self.cols) <= self.blocks and not self.away.intersection(slots)
-
-    def span(self, slot: int, n: int) -> list[int]:
-        """The blocks of `slot`'s first n columns."""
-        return self.host[slot][:n]
+        """Whether these slots' keys are in their home rows (read as a view of the cache, not gathered)."""
+        return max(slots) < self.rows and not self.away.intersection(slots)
 
 
 class Blocks:
@@ -77,7 +84,7 @@ class Blocks:
 
     def __init__(self, table: Table):
         self.table = table
-        self.free = list(range(1, table.blocks))  # a heap: the lowest free block first
+        self.free = [b for b in range(table.blocks) if b != table.scratch]  # a heap: the lowest free block first
         self.free_set = set(self.free)
         self.held: dict[int, list[int]] = {}
 
@@ -97,7 +104,7 @@ class Blocks:
         got = []
         for c in range(len(have), len(have) + need):
             home = self.table.home(slot, c)
-            if home in self.free_set and home < self.table.blocks:
+            if home in self.free_set:
                 self.free_set.discard(home)  # left in the heap: skipped when popped
             else:
                 home = self._pop()
@@ -123,26 +130,32 @@ class Blocks:
         return len(have)
 
 
+def _blocks_of(cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Blocks `ids` [..., n] of a layer's cache: [..., n, kv_heads, BLOCK, hd]."""
+    rows, kv, length, hd = cache.shape
+    cols = length // BLOCK
+    return cache.view(rows, kv, cols, BLOCK, hd)[ids // cols, :, ids % cols]
+
+
 def slot_keys(cache: torch.Tensor, table: Table, slot: int, span: int) -> torch.Tensor:
-    """One slot's first `span` positions of a layer's cache [kv_heads, blocks, BLOCK, hd]: [kv_heads, span, hd], a
-    view where its blocks are consecutive, else gathered."""
+    """One slot's first `span` positions of a layer's cache: [kv_heads, span, hd], a view where they are in its
+    home row, else gathered."""
     n = -(-span // BLOCK)
-    ids = table.span(slot, n)
-    kv, hd = cache.shape[0], cache.shape[-1]
-    if ids == list(range(ids[0], ids[0] + n)):
-        keys = cache[:, ids[0]:ids[0] + n]
-    else:
-        keys = cache.index_select(1, torch.tensor(ids, device=cache.device))
-    return keys.reshape(kv, n * BLOCK, hd)[:, :span]
+    ids = table.host[slot][:n]
+    if slot < table.rows and ids == [table.home(slot, c) for c in range(n)]:
+        return cache[slot, :, :span]
+    got = _blocks_of(cache, torch.tensor(ids, device=cache.device))  # [n, kv, BLOCK, hd]
+    return got.transpose(0, 1).reshape(cache.shape[1], n * BLOCK, cache.shape[-1])[:, :span]
 
 
 def row_keys(cache: torch.Tensor, table: Table, rows: torch.Tensor, span: int, in_place: bool) -> torch.Tensor:
     """Each row's slot's first `span` positions, [B, kv_heads, span, hd]: `in_place` (rows are slots 0..B-1, each
-    in its home run) a strided view of the cache, else gathered by the table."""
-    B, kv, hd = rows.shape[0], cache.shape[0], cache.shape[-1]
-    per = table.cols - 1
+    in its home row) a view of the cache; home rows anywhere, a copy of those rows; else gathered by the table."""
+    B, kv, hd = rows.shape[0], cache.shape[1], cache.shape[-1]
     if in_place:
-        return cache[:, 1:1 + B * per].reshape(kv, B, per * BLOCK, hd).transpose(0, 1)[:, :, :span]
+        return cache[:B, :, :span]
+    if not table.away and table.static:
+        return cache[:, :, :span].index_select(0, rows)
     n = -(-span // BLOCK)
-    keys = cache[:, table.device[rows, :n]]  # [kv, B, n, BLOCK, hd]
-    return keys.transpose(0, 1).reshape(B, kv, n * BLOCK, hd)[:, :, :span]
+    got = _blocks_of(cache, table.device[rows, :n])  # [B, n, kv, BLOCK, hd]
+    return got.permute(0, 2, 1, 3, 4).reshape(B, kv, n * BLOCK, hd)[:, :, :span]

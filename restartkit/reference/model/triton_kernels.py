@@ -51,7 +51,7 @@ def _rotate_half(x1, x2, c1, c2, s1, s2, dtype: tl.constexpr):
 
 @triton.jit
 def _rope_write_kv(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, rows_ptr, table_ptr, ck_ptr, cv_ptr, q_out,
-                   n_heads, n_kv, q_row, kv_row, table_row, head_stride, block_stride,
+                   n_heads, n_kv, q_row, kv_row, cols, row_stride, head_stride,
                    HALF: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -74,8 +74,8 @@ def _rope_write_kv(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, rows_ptr, tab
         src = k_ptr + b * kv_row + j * 2 * HALF
         o1, o2 = _rotate_half(tl.load(src + lo).to(tl.float32), tl.load(src + HALF + lo).to(tl.float32),
                               c1, c2, s1, s2, dtype)
-        block = tl.load(table_ptr + tl.load(rows_ptr + b) * table_row + pos // BLOCK)
-        at = j * head_stride + block * block_stride + (pos % BLOCK) * 2 * HALF
+        block = tl.load(table_ptr + tl.load(rows_ptr + b) * cols + pos // BLOCK)
+        at = (block // cols) * row_stride + j * head_stride + ((block % cols) * BLOCK + pos % BLOCK) * 2 * HALF
         tl.store(ck_ptr + at + lo, o1.to(dtype))
         tl.store(ck_ptr + at + HALF + lo, o2.to(dtype))
         vsrc = v_ptr + b * kv_row + j * 2 * HALF
@@ -86,13 +86,13 @@ def _rope_write_kv(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, rows_ptr, tab
 def rope_write_kv(q, k, v, cos_table, sin_table, positions, rows, cache_k, cache_v, table):
     B, n_heads, hd = q.shape
     n_kv = k.shape[1]
-    assert table.is_contiguous() and cache_k.shape[2] == ATTEND_CHUNK
+    assert table.is_contiguous() and cache_k.shape[2] == table.shape[1] * ATTEND_CHUNK
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and cache_k.is_contiguous()
     assert cos_table.is_contiguous() and sin_table.is_contiguous() and cache_v.stride() == cache_k.stride()
     assert v.stride(0) == k.stride(0) and q.stride(1) == k.stride(1) == hd
     q_out = torch.empty(B, n_heads, hd, dtype=q.dtype, device=q.device)
     _rope_write_kv[(B, n_heads + n_kv)](q, k, v, cos_table, sin_table, positions, rows, table, cache_k, cache_v,
-                                        q_out, n_heads, n_kv, q.stride(0), k.stride(0), table.stride(0),
+                                        q_out, n_heads, n_kv, q.stride(0), k.stride(0), table.shape[1],
                                         cache_k.stride(0), cache_k.stride(1), HALF=hd // 2, BLOCK=ATTEND_CHUNK,
                                         num_warps=1)
     return q_out
@@ -121,7 +121,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _attend_chunk(q_ptr, ck_ptr, cv_ptr, pos_ptr, rows_ptr, table_ptr, acc_ptr, ml_ptr, n_kv, n_chunks, q_row,
-                  table_row, head_stride, block_stride, scale, idle, GROUP: tl.constexpr, QB: tl.constexpr,
+                  row_stride, head_stride, scale, idle, GROUP: tl.constexpr, QB: tl.constexpr,
                   HD: tl.constexpr, CHUNK: tl.constexpr):
     """One chunk (a KV-cache block: table[row's slot, c]) of one row's keys for one KV head's query heads: the
     chunk's softmax numerator (acc), its largest score (m) and its sum (l), in float32; a chunk past the row's
@@ -143,7 +143,8 @@ def _attend_chunk(q_ptr, ck_ptr, cv_ptr, pos_ptr, rows_ptr, table_ptr, acc_ptr, 
         seen = j <= pos
         q = tl.load(q_ptr + b * q_row + (h * GROUP + g)[:, None] * HD + d[None, :], mask=(g < GROUP)[:, None],
                     other=0.0).to(tl.float32)
-        base = h * head_stride + tl.load(table_ptr + tl.load(rows_ptr + b) * table_row + c) * block_stride
+        block = tl.load(table_ptr + tl.load(rows_ptr + b) * n_chunks + c)  # the table's width is n_chunks
+        base = (block // n_chunks) * row_stride + h * head_stride + (block % n_chunks) * CHUNK * HD
         o = tl.arange(0, CHUNK)
         k = tl.load(ck_ptr + base + o[:, None] * HD + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
@@ -192,22 +193,22 @@ ATTEND_CHUNK = 64  # keys per program
 
 def attend_decode(q, cache_k, cache_v, positions, rows, table):
     """Each row's query heads q [B, heads, hd] against the keys of slot rows[b] up to positions[b] (inclusive)
-    in cache_k, cache_v [kv_heads, blocks, ATTEND_CHUNK, hd], chunk c in block table[rows[b], c]; returns
+    in cache_k, cache_v [rows, kv_heads, cols*ATTEND_CHUNK, hd], chunk c in block table[rows[b], c] (block i at row
+    i // cols, positions (i % cols)*ATTEND_CHUNK.. of it); returns
     [B, heads, hd].  Split over key chunks (a row's keys past its position are never read), then the chunks
     combined: two kernels.  A row at the spare position (the last the table addresses; nobody reads it) reads
     the first chunk only."""
     B, n_heads, hd = q.shape
-    n_kv, n_chunks = cache_k.shape[0], table.shape[1]
+    n_kv, n_chunks = cache_k.shape[1], table.shape[1]
     idle = n_chunks * ATTEND_CHUNK - 1
     assert q.is_contiguous() and cache_k.is_contiguous() and cache_v.stride() == cache_k.stride()
-    assert table.is_contiguous() and cache_k.shape[2] == ATTEND_CHUNK
+    assert table.is_contiguous() and cache_k.shape[2] == table.shape[1] * ATTEND_CHUNK
     group = n_heads // n_kv
     qb = max(16, triton.next_power_of_2(group))
     acc = torch.empty(B * n_kv * n_chunks * qb, hd, dtype=torch.float32, device=q.device)
     ml = torch.empty(B * n_kv * n_chunks * 2 * qb, dtype=torch.float32, device=q.device)
     _attend_chunk[(B, n_kv, n_chunks)](q, cache_k, cache_v, positions, rows, table, acc, ml, n_kv, n_chunks,
-                                       q.stride(0), table.stride(0), cache_k.stride(0), cache_k.stride(1),
-                                       hd ** -0.5, idle, GROUP=group, QB=qb, HD=hd, CHUNK=ATTEND_CHUNK, num_warps=4)
+                                       q.stride(0), cache_k.stride(0), cache_k.stride(1), hd ** -0.5, idle, GROUP=group, QB=qb, HD=hd, CHUNK=ATTEND_CHUNK, num_warps=4)
     out = torch.empty_like(q)
     _attend_reduce[(B, n_heads)](acc, ml, positions, out, n_heads, n_kv, n_chunks, idle, GROUP=group, QB=qb, HD=hd,
                                  CHUNK=ATTEND_CHUNK, CB=16, num_warps=4)

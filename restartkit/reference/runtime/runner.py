@@ -63,7 +63,7 @@ class ModelRunner:
     run_ahead: bool | None = None  # None: where decode graphs run (see runs_ahead)
     _last_greedy: Launch | None = None  # the last greedy step without graphs (a chained step's tokens)
     blocks: paged.Blocks | None = None  # who holds which KV-cache block, where the cache is paged
-    kv_blocks: int | None = None  # the KV cache's blocks (None: every slot at max_model_len)
+    kv_rows: int | None = None  # the KV cache's rows of blocks (None: one per slot, every slot at max_model_len)
 
     # ---- start-up ----------------------------------------------------------
     @property
@@ -152,7 +152,7 @@ class ModelRunner:
 
     def activate(self) -> None:
         """What needs the device to itself: KV cache, warm-up, graph capture."""
-        self.kv_blocks = self._kv_blocks()
+        self.kv_rows = self._kv_rows()
         self._timed("kv_cache_alloc", self._allocate_kv)
         graph = self.device.type == "cuda" and self.options.cuda_graph and self.options.tp_size == 1
         # the capture runs the decode step eagerly first: the warm-up then needs only the prefill
@@ -160,29 +160,28 @@ class ModelRunner:
         if graph:
             self._timed("cuda_graph_capture", self.capture_decode_graph)
 
-    def _kv_blocks(self) -> int | None:
-        """The KV cache's blocks from its budget (kv_cache_memory, or gpu_memory_utilization of the GPU less what
-        is held already); None: every slot at max_model_len (restartkit.reference.model.paged)."""
+    def _kv_rows(self) -> int | None:
+        """The KV cache's rows of blocks (a row: one sequence at max_model_len and a block more) from its budget
+        (kv_cache_memory, or gpu_memory_utilization of the GPU less what is held already); None: a row per slot
+        (restartkit.reference.model.paged)."""
         o, cfg = self.options, self.config
         if self.is_draft or not (o.kv_cache_memory or (o.gpu_memory_utilization and self.device.type == "cuda")):
             return None
-        per_block = 2 * cfg.num_hidden_layers * (cfg.num_key_value_heads // o.tp_size) * paged.BLOCK * cfg.head_dim \
-            * self.dtype.itemsize
         if o.kv_cache_memory:
             budget, said = o.kv_cache_memory, f"--kv-cache-memory {o.kv_cache_memory}"
         else:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * o.gpu_memory_utilization) - (total - free) - GRAPH_RESERVE
             said = f"--gpu-memory-utilization {o.gpu_memory_utilization} ({max(budget, 0) >> 20} MiB left for it)"
-        blocks, one = budget // per_block, paged.columns(o.max_model_len)  # one sequence at max_model_len, scratch
-        if blocks < one:
-            raise UnsupportedConfig(f"a KV cache of {said} holds {max(blocks - 1, 0)} blocks of {paged.BLOCK} tokens "
-                                    f"({per_block} bytes each); one sequence of max_model_len {o.max_model_len} needs "
-                                    f"{one - 1}: give it more, or lower --max-model-len")
-        return int(blocks)
+        return paged.rows_for(budget, said, cfg, o.tp_size, self.dtype.itemsize, o.max_model_len, self.slots)
+
+    @property
+    def kv_blocks(self) -> int | None:
+        """The KV cache's blocks, the spare one included (None: no cache)."""
+        return None if self.model is None or self.model.kv is None else self.model.kv.blocks
 
     def _allocate_kv(self) -> None:
-        self.model.allocate_kv_cache(self.options.max_model_len, self.slots, self.kv_blocks)
+        self.model.allocate_kv_cache(self.options.max_model_len, self.slots, self.kv_rows)
         self.blocks = None if self.model.kv.static else paged.Blocks(self.model.kv)
 
     def reserve(self, slot: int, upto: int) -> bool:
