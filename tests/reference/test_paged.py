@@ -81,12 +81,26 @@ def test_a_budget_that_cannot_hold_one_sequence_is_refused_naming_the_flag(tiny_
         eng.start()
 
 
+def at_once(port: int, ask, n: int) -> tuple[dict[int, list[int]], dict]:
+    """ask(i) for i < n, each in a thread of its own, all at once: ({i: its answer}, the engine's scheduler stats)."""
+    import json
+    import threading
+    import urllib.request
+    got: dict[int, list[int]] = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, ask(i))) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/stats", timeout=10) as r:
+        return got, json.loads(r.read())["scheduler"]
+
+
 @pytest.mark.slow
 def test_clients_of_an_engine_whose_kv_cache_holds_few_of_them_all_get_their_answers(tiny_model, alone):
     """`restartkit engine serve --kv-cache-memory`: 12 streaming clients at once, max-num-seqs defaulting to 64, a
-    cache of 8 blocks: the engine preempts (its stats say how often) and every client gets its answer alone."""
+    cache of 2 rows of 5 blocks: the engine preempts (its stats say how often) and every client gets its answer alone."""
     import json
-    import threading
     import urllib.request
 
     from tests.helpers import serve_reference
@@ -94,10 +108,10 @@ def test_clients_of_an_engine_whose_kv_cache_holds_few_of_them_all_get_their_ans
     probe.prepare()
     ps, answer = prompts(12, seed=3), 90
     want = [alone.generate(p, answer).tokens for p in ps]
-    proc, port = serve_reference(tiny_model, "--served-model-name", "m", "--threads", "1", "--kv-cache-memory", str(2 * COLS * block_bytes(probe)))
-    got: dict[int, list[int]] = {}
+    proc, port = serve_reference(tiny_model, "--served-model-name", "m", "--threads", "1", "--kv-cache-memory",
+                                 str(2 * COLS * block_bytes(probe)))
 
-    def ask(i: int) -> None:
+    def ask(i: int) -> list[int]:
         body = {"model": "m", "prompt": ps[i], "max_tokens": answer, "temperature": 0, "stream": True,
                 "return_token_ids": True}
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
@@ -109,16 +123,10 @@ def test_clients_of_an_engine_whose_kv_cache_holds_few_of_them_all_get_their_ans
                 if line.startswith(b"data: {"):
                     for ch in json.loads(line[6:])["choices"]:
                         ids += ch.get("token_ids") or []
-        got[i] = ids
+        return ids
 
     try:
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(ps))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/stats", timeout=10) as r:
-            s = json.loads(r.read())["scheduler"]
+        got, s = at_once(port, ask, len(ps))
         assert [got.get(i) for i in range(len(ps))] == want
         assert s["max_num_seqs"] == 64 and s["kv_cache_blocks"] == 2 * COLS and s["kv_blocks_free"] == 2 * COLS - 1, s
         assert s["preempted"] >= 1 and s["finished"] >= len(ps), s
@@ -132,7 +140,6 @@ def test_tensor_parallel_ranks_follow_rank_0s_block_table(tiny_model):
     """Two ranks (gloo), a cache of 5 blocks: rank 0 preempts and hands out blocks, and tells the other rank each
     change; answers under preemption are each request's answer alone on the same engine."""
     import json
-    import threading
     import urllib.request
 
     from tests.helpers import free_port, serve_reference
@@ -152,14 +159,7 @@ def test_tensor_parallel_ranks_follow_rank_0s_block_table(tiny_model):
 
     try:
         want = [ask(p) for p in ps]  # one at a time: no preemption
-        got: dict[int, list[int]] = {}
-        threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, ask(ps[i]))) for i in range(len(ps))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/stats", timeout=10) as r:
-            s = json.loads(r.read())["scheduler"]
+        got, s = at_once(port, lambda i: ask(ps[i]), len(ps))
         assert [got.get(i) for i in range(len(ps))] == want
         assert s["preempted"] >= 1 and s["kv_cache_blocks"] == COLS, s
     finally:
