@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""The paged KV cache and the token budget on this machine's GPU (what tests/reference/test_paged.py and
+test_token_budget.py check on the CPU in CI), in process:
+
+    python3 scripts/gpu_paged_check.py [--device cuda] [--presets tiny,8b-shape] [--work /tmp/rk-serving]
+
+Each preset: 8 greedy sequences (prompts of 20-400 tokens, 100-token answers), each alone on an engine of one
+slot, then all together on an engine of 8 slots whose KV cache holds two rows of blocks (so the newest is
+preempted and recomputed), at budgets of 24, 64 and 512 tokens a step (prompts chunked at those boundaries, decode
+rows and chunks in one forward pass), CUDA graphs and run-ahead as serving uses them; then on an engine with a row
+per slot (the default).  Verdict: every answer equal to its answer alone, every block free after.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import sys
+import time
+
+from benchlib import reference_model
+
+
+def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(rng.randint(20, 400))] for _ in range(n)]
+
+
+def check(model, device: str, answer: int) -> list[tuple[str, bool]]:
+    import torch
+
+    from restartkit.reference.model.paged import BLOCK
+    from restartkit.reference.sched.engine import Engine, EngineOptions
+    from restartkit.reference.sched.scheduler import run_together
+    from restartkit.reference.sched.sequence import Sampling, Sequence
+
+    def engine(**kw) -> Engine:
+        eng = Engine(EngineOptions(model=str(model), device=device, max_model_len=1024, **kw))
+        eng.start()
+        return eng
+
+    alone = engine(max_num_seqs=1)
+    c = alone.config
+    ps = prompts(8, min(c.vocab_size, 32000), seed=7)
+    t0 = time.perf_counter()
+    want = [alone.generate(p, answer).tokens for p in ps]
+    print(f"  alone: {len(ps)} answers in {time.perf_counter() - t0:.1f} s", flush=True)
+    block = 2 * c.num_hidden_layers * c.num_key_value_heads * BLOCK * c.head_dim * alone.dtype.itemsize
+    cols = alone.kv_blocks  # one slot: one row of blocks
+    del alone
+    verdicts = []
+    for name, kw, budgets in (("2 rows of blocks", {"kv_cache_memory": 2 * cols * block}, (24, 64, 512)),
+                              ("a row per slot", {}, (512,))):
+        eng = engine(max_num_seqs=8, **kw)
+        free = eng.free_blocks()
+        for budget in budgets:
+            seqs = [Sequence(list(p), Sampling(answer, 0.0)) for p in ps]
+            t0 = time.perf_counter()
+            with eng.lock:
+                counts = run_together(eng, seqs, budget)
+            got = [s.tokens for s in seqs]
+            same = sum(g == w for g, w in zip(got, want))
+            print(f"  {name}, budget {budget}: {same}/{len(ps)} equal alone, {time.perf_counter() - t0:.1f} s, "
+                  f"counts {counts}", flush=True)
+            verdicts.append((f"{name}, budget {budget}: every answer = alone "
+                             f"({counts.get('preempted', 0)} preempted)", same == len(ps)))
+            verdicts.append((f"{name}, budget {budget}: every block free after", eng.free_blocks() == free))
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache() if device.startswith("cuda") else None
+    return verdicts
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--presets", default="tiny,8b-shape")
+    p.add_argument("--answer", type=int, default=100)
+    p.add_argument("--work", default="/tmp/rk-serving")
+    a = p.parse_args()
+    verdicts = []
+    for preset in a.presets.split(","):
+        model, _ = reference_model(a.work, a.device, preset)
+        print(f"{preset}:", flush=True)
+        verdicts += [(f"{preset}: {text}", ok) for text, ok in check(model, a.device, a.answer)]
+    print("| check | verdict |\n| --- | --- |")
+    for text, ok in verdicts:
+        print(f"| {text} | {'yes' if ok else 'NO'} |")
+    return 0 if all(ok for _, ok in verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
