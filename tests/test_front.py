@@ -56,6 +56,43 @@ def test_the_front_forwards_the_openai_routes_and_refuses_admin_ones(tiny_model)
             front.wait(10)
 
 
+def test_more_streams_than_aiohttps_default_pool_all_reach_the_engine_at_once(tiny_model):
+    """aiohttp's client caps a session at 100 connections by default: the front held request 101 and on in its
+    own queue while the engine had room (--max-num-seqs 160).  120 streams through the front: all run at once."""
+    import http.client as http_client
+    import re
+    engine, eport = serve_reference(tiny_model, "--threads", "1", "--max-num-seqs", "160", max_model_len=1024)
+    front = None
+    try:
+        front, port = start_front(eport)
+        body = {"model": "tiny", "prompt": [256, 5, 6], "max_tokens": 900, "ignore_eos": True, "temperature": 0,
+                "stream": True}
+
+        def stream() -> None:
+            try:
+                http(f"http://127.0.0.1:{port}/v1/completions", "POST", body, timeout=300)
+            except (OSError, ValueError, http_client.HTTPException):
+                pass  # cut when the test ends
+
+        threads = [threading.Thread(target=stream, daemon=True) for _ in range(120)]
+        for t in threads:
+            t.start()
+        most = 0.0
+        for _ in range(120):
+            metrics = http(f"http://127.0.0.1:{eport}/metrics")[1].decode()
+            most = max([most, *map(float, re.findall(r"^vllm:num_requests_running(?:{[^}]*})? (\S+)", metrics, re.M))])
+            if most >= 120:
+                break
+            time.sleep(0.25)
+        assert most == 120, f"at most {most} of 120 streams ran on the engine at once"
+    finally:
+        engine.kill()
+        engine.wait(10)
+        if front is not None:
+            front.kill()
+            front.wait(10)
+
+
 def test_a_request_waits_for_an_engine_then_gets_503_with_retry_after():
     dead = free_port()  # nothing listens there
     front, port = start_front(dead, "--wait-s", "1.5")

@@ -59,7 +59,10 @@ class Front:
         return app
 
     async def _open(self, _app) -> None:
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+        # no cap of its own on connections to the engine (aiohttp's default is 100): max_in_flight bounds them,
+        # and the engine's --max-num-seqs says how many run at once
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
                                              auto_decompress=False)
         if self.counts_file is not None:
             self._saver = asyncio.create_task(self._keep_counts())
