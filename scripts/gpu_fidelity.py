@@ -29,7 +29,7 @@ def compare(path: Path, model, device: str, dtype: str, margin: float) -> tuple[
 
     from restartkit.reference.serving.protocol import encode_prompt
     from restartkit.reference.sched.engine import Engine, EngineOptions
-    from tests.test_fidelity import NEW_TOKENS, PROMPTS
+    from tests.reference.test_fidelity import NEW_TOKENS, PROMPTS
     tdtype = getattr(torch, dtype)
     model = model.to(device=device, dtype=tdtype)
     eng = Engine(EngineOptions(model=str(path), device=device, max_model_len=128, dtype=dtype))
@@ -66,7 +66,7 @@ def main() -> int:
     ap.add_argument("--tie-margin", type=float, default=0.0)
     a = ap.parse_args()
     from tests.hf import checkpoint
-    from tests.test_fidelity import CASES
+    from tests.reference.test_fidelity import CASES
     rows, t0 = [], time.monotonic()
     for case, cfg in CASES.items():
         with tempfile.TemporaryDirectory() as d:

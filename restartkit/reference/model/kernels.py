@@ -101,6 +101,27 @@ def attend_decode(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
     return _triton().attend_decode(q, cache_k, cache_v, positions, rows, table)
 
 
+class Linear(torch.nn.Linear):
+    """nn.Linear (no bias here) whose product on the CPU is `linear`'s."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, in] times weight [out, in] transposed.  On the CPU in float32 with a few rows (up to 8 per thread,
+    at most 128), as (weight @ x.T).T, a lone row doubled: on the CI's AMD EPYC, torch's MKL took 2.6-4.7 ms for
+    the `small` preset's products at 1-16 rows and 2 threads (a lone row's matrix-vector product is as slow) and
+    this form 1.0-3.4 ms (docs/BENCHMARKS.md).  Each is a float32 sum in its own order; neither is bitwise equal
+    across row counts."""
+    rows = x.shape[0]
+    if x.is_cuda or x.dim() != 2 or x.dtype != torch.float32 or rows > min(128, 8 * torch.get_num_threads()):
+        return F.linear(x, weight)
+    if rows == 1:
+        return (weight @ torch.cat((x, x)).t())[:, :1].t().contiguous()
+    return (weight @ x.t()).t().contiguous()
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's silu(gate) * up of gate_up [T, 2 * inter] (gate's columns, then up's)."""
     if fused(gate_up):

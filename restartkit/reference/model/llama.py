@@ -137,8 +137,8 @@ class Attention(nn.Module):
         self.n_kv = cfg.num_key_value_heads // par.tp_size
         self.head_dim = hd
         # q, k and v in one matrix product (restartkit.reference.model.weights fuses the checkpoint's three)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * hd, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=False)
+        self.qkv_proj = kernels.Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * hd, bias=False)
+        self.o_proj = kernels.Linear(self.n_heads * hd, cfg.hidden_size, bias=False)
 
     def decode(self, x, tables, positions, rows, in_place, cache_k, cache_v, table, mask):
         """One token of each of B sequences: x [B, hidden], row b at positions[b] in slot rows[b] of cache_k,
@@ -214,8 +214,8 @@ class MLP(nn.Module):
         super().__init__()
         self.par = par
         inter //= par.tp_size
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)  # gate's rows, then up's
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up_proj = kernels.Linear(hidden, 2 * inter, bias=False)  # gate's rows, then up's
+        self.down_proj = kernels.Linear(inter, hidden, bias=False)
 
     def forward(self, x):
         return self.par.reduce(self.down_proj(kernels.silu_mul(self.gate_up_proj(x))))
@@ -226,9 +226,9 @@ class Expert(nn.Module):
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.w1 = nn.Linear(hidden, inter, bias=False)
-        self.w2 = nn.Linear(inter, hidden, bias=False)
-        self.w3 = nn.Linear(hidden, inter, bias=False)
+        self.w1 = kernels.Linear(hidden, inter, bias=False)
+        self.w2 = kernels.Linear(inter, hidden, bias=False)
+        self.w3 = kernels.Linear(hidden, inter, bias=False)
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -242,7 +242,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.par = par
         self.top_k = cfg.num_experts_per_tok
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=False)
+        self.gate = kernels.Linear(cfg.hidden_size, cfg.num_local_experts, bias=False)
         n = cfg.num_local_experts
         # Expert parallel: this rank holds whole experts (others are None).
         # Tensor parallel: every rank holds a slice of every expert.
@@ -323,7 +323,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.par = par
         self.model = Backbone(cfg, par)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = kernels.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.cache_k: torch.Tensor | None = None
         self.cache_v: torch.Tensor | None = None
         self.kv: paged.Table | None = None  # the block table
