@@ -9,10 +9,13 @@ from restartkit.engines.base import EngineAdapter, LaunchSpec, python
 from restartkit.reference.model.layout import draft_problem, model_dir_ok
 
 
-# On the CPU, OpenMP's worker threads spin between torch operations by default.  The engine's scheduler hands
-# each step's tokens to its HTTP threads, which then wait for a core the spinning threads hold: measured on a
-# 2-core VM, a 257-token completion took 1.3-1.8 s spinning and 0.5 s passive.  [service] env overrides it.
-CPU_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+# On the CPU, OpenMP's worker threads spin between torch operations by default (GNU OpenMP: 300,000 turns).  The
+# engine's scheduler hands each step's tokens to its HTTP threads, which then wait for a core the spinning threads
+# hold: measured on a 2-core VM, a 257-token completion took 1.3-1.8 s spinning and 0.5 s passive.  Passive threads
+# sleep after every operation and take tens of microseconds to wake for the next: one stream of the tiny preset
+# took 1.58 ms a token passive and 0.37 ms with 10,000 turns of spinning, and the small preset 4.6 and 2.4 ms
+# (docs/BENCHMARKS.md).  [service] env overrides it.
+CPU_ENV = {"GOMP_SPINCOUNT": "10000"}
 
 
 class ReferenceAdapter(EngineAdapter):

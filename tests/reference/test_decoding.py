@@ -66,3 +66,16 @@ def test_stop_strings_still_end_the_text_where_they_start(tmp_path):
     stopped = [so_far(t) for t in ids]
     assert stopped.index(True) == len("ab€€y€".encode()) + len("€x".encode()) - 1
     assert so_far.text == "ab€€y€" and "".join(sent) == "ab€€y€"
+
+
+def test_a_stream_gets_a_piece_for_every_token_empty_while_its_text_is_held(tmp_path):
+    """As vLLM streams: the client sees each token come (and times its first token by the first chunk), even while
+    a character's bytes or a possible stop string hold its text back."""
+    tok = byte_level(tmp_path)
+    sent, quiet = [], []
+    each, held = TextSoFar(tok, ["zz"], send=sent.append, each_token=True), TextSoFar(tok, ["zz"], send=quiet.append)
+    ids = list("a€z".encode()) + list("b".encode())
+    for t in ids:
+        each(t)
+        held(t)
+    assert sent == ["a", "", "", "€", "", "zb"] and quiet == ["a", "€", "zb"]

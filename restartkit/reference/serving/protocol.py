@@ -382,10 +382,12 @@ class TextSoFar:
     where a stop string ends it (OpenAI leaves the stop string out of the text).  `send(piece)`: the
     piece covers the tokens seen so far (their logprobs go with it).  `aligned`: text is let go only where
     it is the whole text of the tokens so far (nothing held back), so each piece ends at a token boundary
-    (streams that carry token ids: their reader may continue the request from them, restartkit.front)."""
+    (streams that carry token ids: their reader may continue the request from them, restartkit.front).
+    `each_token`: every token sends a piece, empty while its text is held back (as vLLM streams: a client sees
+    each token come, its id and logprob with it, and times its first token by the first chunk)."""
 
-    def __init__(self, tokenizer, stop: list[str], send=None, aligned: bool = False):
-        self.tokenizer, self.stop, self.send, self.aligned = tokenizer, stop, send, aligned
+    def __init__(self, tokenizer, stop: list[str], send=None, aligned: bool = False, each_token: bool = False):
+        self.tokenizer, self.stop, self.send, self.aligned, self.each_token = tokenizer, stop, send, aligned, each_token
         self.decoding = Decoding(tokenizer)
         self.logprobs: list[float | None] = []
         self.top_logprobs: list[dict | None] = []
@@ -415,7 +417,7 @@ class TextSoFar:
                     break
         if self.aligned and safe < len(full):
             safe = self.sent  # wait until this token's text is whole
-        self._send(safe)
+        self._send(safe, self.each_token)
         return self.gone  # a client gone: no use computing more
 
     def finish(self, tokens: list[int]) -> str:
@@ -425,10 +427,10 @@ class TextSoFar:
         self._send(len(self.text))
         return self.text
 
-    def _send(self, upto: int) -> None:
-        if self.send is not None and upto > self.sent and not self.gone:
+    def _send(self, upto: int, even_empty: bool = False) -> None:
+        if self.send is not None and (upto > self.sent or even_empty) and not self.gone:
             try:
-                self.send(self.text[self.sent:upto] if upto <= len(self.text) else self.text[self.sent:])
+                self.send(self.text[self.sent:upto] if upto > self.sent else "")
             except OSError:
                 self.gone = True
         self.sent = max(self.sent, upto)
