@@ -122,10 +122,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _attend_chunk(q_ptr, ck_ptr, cv_ptr, pos_ptr, rows_ptr, table_ptr, acc_ptr, ml_ptr, n_kv, n_chunks, q_row,
                   row_stride, head_stride, scale, idle, GROUP: tl.constexpr, QB: tl.constexpr,
-                  HD: tl.constexpr, CHUNK: tl.constexpr):
+                  HD: tl.constexpr, CHUNK: tl.constexpr, EXACT: tl.constexpr):
     """One chunk (a KV-cache block: table[row's slot, c]) of one row's keys for one KV head's query heads: the
     chunk's softmax numerator (acc), its largest score (m) and its sum (l), in float32; a chunk past the row's
-    position writes m = -inf.  A row at position `idle` reads its first chunk only (as if at position CHUNK - 1)."""
+    position writes m = -inf.  A row at position `idle` reads its first chunk only (as if at position CHUNK - 1).
+    EXACT (float32 activations): the products in float32 on the CUDA cores; else (bfloat16, float16) on the tensor
+    cores from the activations' dtype, summed in float32 (q, k and v are of that dtype already: each product is
+    exact), the softmax numerator rounded to that dtype for its product with v, as torch's form rounds the
+    probabilities.  On an H200, 63 rows of 600 positions at 8B shapes: 349 us a layer in float32 products, 67 us
+    so (docs/BENCHMARKS.md)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -142,17 +147,23 @@ def _attend_chunk(q_ptr, ck_ptr, cv_ptr, pos_ptr, rows_ptr, table_ptr, acc_ptr, 
         j = start + tl.arange(0, CHUNK)
         seen = j <= pos
         q = tl.load(q_ptr + b * q_row + (h * GROUP + g)[:, None] * HD + d[None, :], mask=(g < GROUP)[:, None],
-                    other=0.0).to(tl.float32)
+                    other=0.0)
         block = tl.load(table_ptr + tl.load(rows_ptr + b) * n_chunks + c)  # the table's width is n_chunks
         base = (block // n_chunks) * row_stride + h * head_stride + (block % n_chunks) * CHUNK * HD
         o = tl.arange(0, CHUNK)
-        k = tl.load(ck_ptr + base + o[:, None] * HD + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        k = tl.load(ck_ptr + base + o[:, None] * HD + d[None, :], mask=seen[:, None], other=0.0)
+        v = tl.load(cv_ptr + base + o[:, None] * HD + d[None, :], mask=seen[:, None], other=0.0)
+        if EXACT:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
         s = tl.where(seen[None, :], s, float("-inf"))
         m = tl.max(s, axis=1)
         p = tl.exp(s - m[:, None])
-        v = tl.load(cv_ptr + base + o[:, None] * HD + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
-        acc = tl.dot(p, v, input_precision="ieee")
+        if EXACT:
+            acc = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v)
         tl.store(acc_ptr + (part * QB + g)[:, None] * HD + d[None, :], acc)
         tl.store(ml_ptr + part * 2 * QB + g, m)
         tl.store(ml_ptr + part * 2 * QB + QB + g, tl.sum(p, axis=1))
@@ -208,7 +219,8 @@ def attend_decode(q, cache_k, cache_v, positions, rows, table):
     acc = torch.empty(B * n_kv * n_chunks * qb, hd, dtype=torch.float32, device=q.device)
     ml = torch.empty(B * n_kv * n_chunks * 2 * qb, dtype=torch.float32, device=q.device)
     _attend_chunk[(B, n_kv, n_chunks)](q, cache_k, cache_v, positions, rows, table, acc, ml, n_kv, n_chunks,
-                                       q.stride(0), cache_k.stride(0), cache_k.stride(1), hd ** -0.5, idle, GROUP=group, QB=qb, HD=hd, CHUNK=ATTEND_CHUNK, num_warps=4)
+                                       q.stride(0), cache_k.stride(0), cache_k.stride(1), hd ** -0.5, idle, GROUP=group, QB=qb, HD=hd,
+                                       CHUNK=ATTEND_CHUNK, EXACT=q.dtype == torch.float32, num_warps=4)
     out = torch.empty_like(q)
     _attend_reduce[(B, n_heads)](acc, ml, positions, out, n_heads, n_kv, n_chunks, idle, GROUP=group, QB=qb, HD=hd,
                                  CHUNK=ATTEND_CHUNK, CB=16, num_warps=4)
