@@ -187,14 +187,10 @@ class ModelRunner:
     def reserve(self, slot: int, upto: int) -> bool:
         """KV-cache blocks for positions [0, upto) of the sequence in `slot`; False when too few are free (the
         scheduler then preempts).  Where every slot has its own blocks, nothing to do."""
-        if self.blocks is None:
-            return True
-        got = self.blocks.reserve(slot, upto)
-        if got is None:
-            return False
+        got = [] if self.blocks is None else self.blocks.reserve(slot, upto)
         if got:
             self._set_blocks(slot, len(self.blocks.held[slot]) - len(got), got)
-        return True
+        return got is not None
 
     def release(self, slot: int) -> None:
         """The blocks of the sequence in `slot` back (it left, or was preempted)."""
@@ -328,6 +324,10 @@ class ModelRunner:
         dev = self.device
         return self.model(torch.tensor(tokens, device=dev), torch.arange(start, start + len(tokens)).to(dev), slot,
                           start + len(tokens))
+
+    def graphed_prefill(self, tokens: int) -> bool:
+        """Whether a prompt chunk of this many tokens runs as a prefill graph."""
+        return self._graphs is not None and self._graphs.prefills(tokens)
 
     @torch.inference_mode()
     def mixed(self, segments: list[tuple[int, int, list[int]]]) -> torch.Tensor:
