@@ -114,3 +114,23 @@ def test_a_budget_below_max_num_seqs_is_refused_naming_both(capsys):
     err = capsys.readouterr().err
     assert "--max-num-batched-tokens (8) is less than --max-num-seqs (16)" in err and "at least 16" in err
     assert parse_args(["--model", "m"]).max_num_batched_tokens == 512
+
+
+def test_short_chunks_beside_running_streams_through_prefill_graphs_give_the_same_tokens(tiny_engine, monkeypatch):
+    """On a GPU, one or two prompt chunks a prefill graph takes (<= 128 tokens) join running streams as prefills
+    and then a decode step, not a mixed step.  The CPU has no graphs: the runner is told it has, so that this
+    scheduling runs here, with its eager prefills.  Tokens equal alone; steps with decode rows and chunks went
+    that way (no mixed step where every chunk fits), and two prompts with no stream prefill with no decode step."""
+    ps = prompts(8, LENGTHS)
+    alone = [answers(tiny_engine, [p], 24, 4096)[0] for p in ps]
+    monkeypatch.setattr(tiny_engine, "graphed_prefill", lambda tokens: tokens <= 128, raising=False)
+    for budget in (8, 64, 512):
+        seqs = [Sequence(list(p), Sampling(24, ignore_eos=True)) for p in ps]
+        counts = run_together(tiny_engine, seqs, budget)
+        assert [s.tokens for s in seqs] == alone, budget
+        assert counts["prefill_tokens"] >= sum(LENGTHS), budget
+        if budget == 8:  # every chunk is short: never a mixed step
+            assert counts["mixed"] == 0, counts
+    two = [Sequence(list(p), Sampling(4, ignore_eos=True)) for p in prompts(2, [10, 20], seed=3)]
+    counts = run_together(tiny_engine, two, 512)  # two short prompts, nothing running: two prefills, no empty decode
+    assert counts["mixed"] == 0 and all(len(s.tokens) == 4 for s in two)

@@ -237,7 +237,8 @@ class Scheduler:
             # mixed step takes about 19 ms of host time, more than three graphs' replays (docs/BENCHMARKS.md)
             for chunk in chunks:
                 self._prefill_chunk(*chunk)
-            self._decode([s for s in decoding if s in self.running])
+            if live := [s for s in decoding if s in self.running]:  # two prompts and no stream: no decode step
+                self._decode(live)
         else:
             self._mixed(decoding, chunks)
 
