@@ -94,7 +94,7 @@ class Admin:
     def routes(self, app) -> None:
         # (no `from __future__ import annotations` in this module: FastAPI reads `Request` from the annotations)
         from fastapi import Request
-        from fastapi.responses import JSONResponse
+        from fastapi.responses import JSONResponse, Response
 
         def loopback_only(request: Request):
             if not admin_allowed(request.headers, request.client.host if request.client else ""):
@@ -106,9 +106,17 @@ class Admin:
         # with this one in it, at the first request (none has come yet)
         app.middleware_stack = None
 
+        from restartkit.guard import peer
+        owners = peer.owners()  # behind supervise's front: its owner's connections only (restartkit.guard.peer)
+
         @app.middleware("http")
         async def keyed_dev_routes(request: Request, call_next):
-            """vLLM's dev-mode routes (on only where restartkit needs sleep mode) answer restartkit's calls only."""
+            """vLLM's dev-mode routes (on only where restartkit needs sleep mode) answer restartkit's calls only;
+            behind the front, every route answers the engine's user (and root) only."""
+            if owners is not None and request.client and request.scope.get("server"):
+                if (uid := peer.client_uid(request.client, request.scope["server"])) not in owners:
+                    return Response(peer.refusal_body(uid, request.scope["server"][1]),
+                                    status_code=403, media_type="application/json")
             if request.url.path in DEV_ROUTES and not admin_allowed(request.headers, request.client.host
                                                                    if request.client else ""):
                 return JSONResponse({"error": f"{request.url.path} answers restartkit's calls only (its admin "

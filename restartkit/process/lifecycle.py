@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from restartkit.errors import EngineStartError, UsageError
-from restartkit.guard import admin
+from restartkit.guard import admin, peer
 from restartkit.files import ensure_private_dir, write_json_atomic
 from restartkit.process import inflight, keeper, shm
 from restartkit.process.engine import EngineProcess
@@ -281,6 +281,10 @@ class EngineLifecycle:
         for name in spec.unset:  # inherited from whoever ran restartkit, and not to be: named by the adapter
             env.pop(name, None)
         env[admin.ADMIN_TOKEN_ENV] = admin.token(self.state_dir)  # its admin routes answer restartkit's calls only
+        if self.policy.public is not None:  # behind supervise's front: its port answers its own user only
+            env[peer.OWNER_ONLY_ENV] = "1"
+        else:
+            env.pop(peer.OWNER_ONLY_ENV, None)
         if not self.degraded:  # it keeps its requests in flight where a crash's record can count them
             inflight.sweep(self.state_dir)
             env[inflight.ENV] = str(self.state_dir)

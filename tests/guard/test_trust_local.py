@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -158,3 +159,44 @@ def test_an_inherited_vllm_dev_mode_is_not_passed_on(make_policy):
     finally:
         del os.environ[admin.ADMIN_TOKEN_ENV]
     assert admin_allowed({}, "127.0.0.1") and not admin_allowed({}, "10.0.0.2")  # a launcher run by hand
+
+
+ASK = """\
+import json, sys, urllib.request, urllib.error
+req = urllib.request.Request(f"http://127.0.0.1:{sys.argv[1]}/v1/completions", json.dumps(
+    {"model": "tiny", "prompt": "hello", "max_tokens": 3, "temperature": 0}).encode(),
+    headers={"Content-Type": "application/json"})
+try:
+    r = urllib.request.urlopen(req, timeout=60)
+    print(json.dumps([r.status, json.loads(r.read())["choices"][0]["text"]]))
+except urllib.error.HTTPError as e:
+    print(json.dumps([e.code, json.loads(e.read())["error"]["message"]]))
+"""
+
+
+def ask_as(port: int, user: str | None = None) -> list:
+    argv = ["/usr/bin/python3", "-c", ASK, str(port)]
+    if user:
+        argv = ["runuser", "-u", user, "--", *argv]
+    return json.loads(subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True).stdout)
+
+
+@root_only
+@pytest.mark.slow
+def test_behind_the_front_an_engine_answers_its_own_user_only(supervised, make_policy):
+    """Under supervise the engines serve on a loopback port behind the front: another local user asking there
+    directly gets a 403 that says where to ask; through the front the same user is answered, and so are
+    restartkit's own calls (its user, or root) on the engine's port."""
+    policy = make_policy()
+    supervised(policy)
+    front = port_of(policy)
+    engine = int(policy.read_text().split("engine_port = ")[1].split()[0])
+    mine = ask_as(engine)
+    assert mine[0] == 200, mine
+    theirs = ask_as(engine, "nobody")
+    assert theirs[0] == 403 and "serves restartkit's front only" in theirs[1] and "uid 65534" in theirs[1], theirs
+    assert ask_as(front, "nobody") == mine  # the same greedy answer, through the front
+    stats = json.loads(urllib.request.urlopen(urllib.request.Request(
+        f"http://127.0.0.1:{engine}/admin/stats", headers=admin.headers(policy.parent / "state" / "svc")),
+        timeout=30).read())
+    assert stats["owner_only"] == {"refused": 1}, stats

@@ -102,6 +102,8 @@ class AdminRoutes:
             "pid": os.getpid(), "ready": st.ready and not st.stopping, "model": st.model_name,
             "phases": st.phases, "requests": st.requests,
             "started_at": st.started_at, "ready_at": st.ready_at,
+            # behind the front: connections of other users refused (restartkit.guard.peer); None: open to all
+            "owner_only": None if self.server.owners is None else {"refused": self.server.refused},
         }
         if st.sleeper is not None:
             out["sleep"] = {"enabled": True, "level": st.sleeper.level, "last": st.sleeper.last}

@@ -71,12 +71,17 @@ class Bounded:
     threads answer at once; a readable connection waits for a free one."""
 
     def bound(self, max_connections: int) -> None:
+        from restartkit.guard import peer
         self.slots = threading.BoundedSemaphore(max_connections)
         self.deadlines = Deadlines()
         self.waiting = Waiting(self)
+        self.owners = peer.owners()  # behind supervise's front: its owner's connections only (restartkit.guard.peer)
+        self.refused = 0
 
     def process_request(self, request, client_address):
         import select
+        if self.owners is not None and not self._owner_asks(request):
+            return
         if self.slots.acquire(blocking=False):  # it has sent already (the usual client): its thread at once
             poll = select.poll()  # (select() cannot take a descriptor past 1023)
             poll.register(request, select.POLLIN)
@@ -85,6 +90,22 @@ class Bounded:
                 return
             self.slots.release()
         self.waiting.add(request, client_address)
+
+    def _owner_asks(self, conn) -> bool:
+        """Whether the client's socket is the engine's user's (or root's); if not, it gets a 403 and is closed
+        (in a thread: its request is read first, so that the close sends the answer, not a reset)."""
+        from restartkit.guard import peer
+        uid = peer.peer_uid(conn)
+        if uid in self.owners:
+            return True
+        self.refused += 1
+        if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
+            from restartkit.reference.log import log
+            log(f"refused a connection of uid {uid} (this engine answers its owner only, behind the front; "
+                f"{self.refused} so far)")
+        threading.Thread(target=_refuse, args=(self, conn, peer.refusal(uid, self.server_address[1])),
+                         name="http-refuse", daemon=True).start()
+        return False
 
     def dispatch(self, request, client_address) -> None:
         """A connection that has sent something, with a slot held for it: its thread."""
@@ -100,6 +121,19 @@ class Bounded:
         finally:
             self.deadlines.forget(request)
             self.slots.release()
+
+
+def _refuse(server, conn, answer: bytes) -> None:
+    try:
+        conn.settimeout(1.0)
+        conn.recv(65536)  # its request (what it sent first), so that closing does not reset the connection
+        conn.sendall(answer)
+        conn.shutdown(socket.SHUT_WR)
+        while conn.recv(65536):
+            pass
+    except OSError:
+        pass
+    server.shutdown_request(conn)
 
 
 class Waiting:
