@@ -357,3 +357,25 @@ def wait_for(what, timeout: float = 60, every: float = 0.2):
             return got
         time.sleep(every)
     raise AssertionError(f"not within {timeout} s")
+
+
+ASK = """\
+import json, sys, urllib.request, urllib.error
+req = urllib.request.Request(f"http://127.0.0.1:{sys.argv[1]}/v1/completions", json.dumps(
+    {"model": sys.argv[2], "prompt": "hello", "max_tokens": 3, "temperature": 0}).encode(),
+    headers={"Content-Type": "application/json"})
+try:
+    r = urllib.request.urlopen(req, timeout=60)
+    print(json.dumps([r.status, json.loads(r.read())["choices"][0]["text"]]))
+except urllib.error.HTTPError as e:
+    print(json.dumps([e.code, json.loads(e.read())["error"]["message"]]))
+"""
+
+
+def ask_as(port: int, user: str | None = None, model: str = "tiny") -> list:
+    """[status, text or error message] of a 3-token greedy completion asked on `port` by the system Python (stdlib
+    only), as `user` (runuser; None: this process's user)."""
+    argv = ["/usr/bin/python3", "-c", ASK, str(port), model]
+    if user:
+        argv = ["runuser", "-u", user, "--", *argv]
+    return json.loads(subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True).stdout)

@@ -127,7 +127,7 @@ def test_requests_in_flight_on_a_killed_vllm_are_continued_by_its_standby(make_p
     continuation starts before them (restartkit.front.journal)."""
     import random
 
-    from tests.helpers import Supervised, prom_sample
+    from tests.helpers import Supervised, ask_as, prom_sample
     from tests.streams import ClientsThroughKills, http, mixed_requests
     policy = cache_policy(make_policy, vllm_model, service_cleanup, sockdir,
                           extra='\n[standby]\nenabled = true\nkv_ahead = "never"\n',
@@ -161,6 +161,11 @@ def test_requests_in_flight_on_a_killed_vllm_are_continued_by_its_standby(make_p
         assert [r["served_by"] for r in s.records()] == ["standby"] * 3
         front = json.loads(http(f"http://127.0.0.1:{port}/front/status")[1])
         assert front["regenerated_held_back"] >= 1, front  # the seam this test is about was crossed
+        if os.getuid() == 0:  # the engine's port answers its own user only (restartkit.guard.peer)
+            engine = int(policy.read_text().split("engine_port = ")[1].split()[0])
+            theirs = ask_as(engine, "nobody", str(vllm_model))
+            assert theirs[0] == 403 and "serves restartkit's front only" in theirs[1], theirs
+            assert ask_as(port, "nobody", str(vllm_model)) == ask_as(engine, None, str(vllm_model))
     finally:
         clients.finish(10)
         s.close()

@@ -14,7 +14,7 @@ import pytest
 
 from restartkit.guard import admin
 from restartkit.process import listener
-from tests.helpers import run_cli
+from tests.helpers import ask_as, run_cli
 
 root_only = pytest.mark.skipif(os.getuid() != 0, reason="needs root (another uid)")
 ATTACK = """\
@@ -159,26 +159,6 @@ def test_an_inherited_vllm_dev_mode_is_not_passed_on(make_policy):
     finally:
         del os.environ[admin.ADMIN_TOKEN_ENV]
     assert admin_allowed({}, "127.0.0.1") and not admin_allowed({}, "10.0.0.2")  # a launcher run by hand
-
-
-ASK = """\
-import json, sys, urllib.request, urllib.error
-req = urllib.request.Request(f"http://127.0.0.1:{sys.argv[1]}/v1/completions", json.dumps(
-    {"model": "tiny", "prompt": "hello", "max_tokens": 3, "temperature": 0}).encode(),
-    headers={"Content-Type": "application/json"})
-try:
-    r = urllib.request.urlopen(req, timeout=60)
-    print(json.dumps([r.status, json.loads(r.read())["choices"][0]["text"]]))
-except urllib.error.HTTPError as e:
-    print(json.dumps([e.code, json.loads(e.read())["error"]["message"]]))
-"""
-
-
-def ask_as(port: int, user: str | None = None) -> list:
-    argv = ["/usr/bin/python3", "-c", ASK, str(port)]
-    if user:
-        argv = ["runuser", "-u", user, "--", *argv]
-    return json.loads(subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True).stdout)
 
 
 @root_only
