@@ -38,6 +38,12 @@ def test_the_front_forwards_the_openai_routes_and_refuses_admin_ones(tiny_model)
             for chat in (False, True):
                 req = {"prompt": "restart me", "max_tokens": 24, "stream": stream, "chat": chat}
                 assert ask(c, req) == ask(direct, req), req
+                # a stop string the answer holds: the front applies it (the engine is asked for none), as the engine does
+                text = ask(direct, req)[1]
+                at = next(i for i in range(3, len(text) - 1) if "\ufffd" not in text[i:i + 2])
+                stop = {**req, "stop": [text[at:at + 2], "<<never>>"]}
+                got, want = ask(c, stop), ask(direct, stop)
+                assert got[1:] == want[1:] == (text[:text.index(text[at:at + 2])], "stop"), (req, got, want)
         assert http(f"http://127.0.0.1:{port}/v1/models")[0] == 200
         status, body = http(f"http://127.0.0.1:{port}/admin/drop_kv_cache", "POST", {})
         assert status == 403 and b"admin route" in body
@@ -45,7 +51,7 @@ def test_the_front_forwards_the_openai_routes_and_refuses_admin_ones(tiny_model)
         status, body = http(f"http://127.0.0.1:{port}/v1/embeddings", "POST", {"input": "x"})
         assert status == 404 and b"not a route the front forwards" in body
         metrics = http(f"http://127.0.0.1:{port}/metrics")[1].decode()
-        assert prom_sample(metrics, "restartkit_front_requests_journalled_total") == 4
+        assert prom_sample(metrics, "restartkit_front_requests_journalled_total") == 8
         assert prom_sample(metrics, "restartkit_front_requests_lost_total") == 0
         assert "vllm:generation_tokens_total" in metrics  # the engine's own, forwarded
     finally:

@@ -12,6 +12,15 @@ continuation's prompt stops before them and the next engine generates them again
 their text comes from that engine, decoded from a character boundary.  (Given a prompt that ends inside a character,
 vLLM's detokenizer put the prompt's whole text into the continuation's first chunk.)
 
+The front applies the request's stop strings itself too.  An engine holds back the text that may be the start of a
+stop string (vLLM its last few characters, whatever they are) while its ids are sent: held there, that text died
+with the engine.  So the engine is asked to put the stop string in its text (`include_stop_str_in_output`: vLLM then
+holds nothing back, and still stops there), and the front holds what may start one (`held`): it is the client's
+once the next characters show that no stop string starts there, whichever engine sends them, and a stop string
+across a seam is found too.  A stop string found ends the answer (finish_reason "stop", `stop_reason` the string,
+in the text only where the client asked for that) and the engine's stream is closed.  The stop strings still go to
+the engine, which checks them as it would without the front (a bad one is its error).
+
 What a continuation means: for greedy requests, and seeded sampling on the reference engine (each token's
 randomness comes from the seed and its position), the whole answer is the one an undisturbed engine gives.
 Unseeded sampling continues with fresh randomness: the tokens delivered stand, the rest is a different draw.
@@ -40,7 +49,9 @@ class Flight:
     auth: dict = field(default_factory=dict)  # its Authorization header, passed on to every engine that answers it
     prompt_ids: list[int] | None = None  # the prompt's token ids (chat: the rendered conversation), once known
     ids: list[int] = field(default_factory=list)  # the generated tokens the client has (or will get with the answer)
-    text: str = ""  # their text
+    text: str = ""  # the client's text (shown)
+    held: str = ""  # text come from an engine that may be the start of a stop string: not the client's yet
+    stop_reason: str | None = None  # the stop string found, which ended the answer
     clean: int = 0  # how many of `ids` the client has the text of (the rest: a character's first bytes, held back)
     redo: list[int] = field(default_factory=list)  # held-back tokens the continuation generates again (not re-sent)
     finish: str | None = None
@@ -59,9 +70,17 @@ class Flight:
         value = self.body.get(key)
         return 16 if value is None and not self.chat else value
 
+    @property
+    def stops(self) -> list[str]:
+        stop = self.body.get("stop")
+        return [stop] if isinstance(stop, str) and stop else [s for s in stop or () if s]
+
     def upstream_body(self) -> dict:
-        """The request the engine gets first: the client's, streamed, with token ids and usage."""
-        return {**self.body, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+        """The request the engine gets first: the client's, streamed, with token ids and usage (and its stop
+        strings in its text: see the module's docstring)."""
+        stops = {"include_stop_str_in_output": True} if self.stops else {}
+        return {**self.body, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True},
+                **stops}
 
     def continuation(self, max_model_len: int | None) -> tuple[str, dict]:
         """(route, body) of the request that continues this one on the engine that now serves."""
@@ -85,6 +104,8 @@ class Flight:
             body["min_tokens"] = max(0, int(body["min_tokens"]) - len(done))
         body.update(prompt=self.prompt_ids + done, max_tokens=left, stream=True, return_token_ids=True,
                     stream_options={"include_usage": True})
+        if self.stops:
+            body["include_stop_str_in_output"] = True
         return "/v1/completions", body
 
     def _may_redo(self) -> bool:
@@ -95,9 +116,10 @@ class Flight:
         greedy = self.body.get("temperature") == 0 or self.body.get("top_k") == 1
         return greedy or not (self.stream and self.body.get("return_token_ids"))
 
-    def take(self, ids: list[int], piece: str) -> list[int]:
+    def take(self, ids: list[int], piece: str, finish: str | None = None) -> tuple[list[int], str]:
         """An engine's chunk journalled: its ids less those of held-back tokens generated again (the client has
-        them, or has them replaced where a sampled draw differs and it never saw them); returns the new ids."""
+        them, or has them replaced where a sampled draw differs and it never saw them), and the client's part of
+        its text (shown(); all that is held, where the engine finished).  Returns (new ids, text)."""
         new = []
         for t in ids:
             if self.redo and t == self.redo[0]:
@@ -108,10 +130,37 @@ class Flight:
                 self.redo = []
             new.append(t)
         self.ids += new
-        self.text += piece
         if piece:
             self.clean = len(self.ids) - len(self.redo)
-        return new
+        out = self.shown(piece)
+        if finish is not None and self.stop_reason is None:
+            out += self.flush()
+        return new, out
+
+    def shown(self, piece: str) -> str:
+        """What of an engine's text the client gets now: up to a stop string found (then `stop_reason` is set), less
+        an end that may start one (`held`).  Stop strings count from min_tokens on, as in vLLM."""
+        buf, self.held = self.held + piece, ""
+        if self.stop_reason is not None:
+            return ""
+        stops = self.stops
+        if stops and len(self.ids) >= int(self.body.get("min_tokens") or 0):
+            found = min(((buf.find(s), s) for s in stops if s in buf), default=None)
+            if found is not None:
+                at, self.stop_reason = found
+                out = buf[:at] + (self.stop_reason if self.body.get("include_stop_str_in_output") else "")
+                self.text += out
+                return out
+            keep = max((k for s in stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
+            buf, self.held = buf[:len(buf) - keep], buf[len(buf) - keep:]
+        self.text += buf
+        return buf
+
+    def flush(self) -> str:
+        """The held text, the client's (the answer ended otherwise than by a stop string)."""
+        out, self.held = self.held, ""
+        self.text += out
+        return out
 
     def usage(self) -> dict:
         p, c = len(self.prompt_ids or ()), len(self.ids)
@@ -128,6 +177,8 @@ class Flight:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
+        if finish is not None and self.stop_reason is not None:
+            choice["stop_reason"] = self.stop_reason
         if self.body.get("return_token_ids"):
             choice["token_ids"] = ids
         out = {"id": head["id"], "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -145,6 +196,8 @@ class Flight:
                       "finish_reason": self.finish}
         else:
             choice = {"index": 0, "text": self.text, "logprobs": None, "finish_reason": self.finish}
+        if self.stop_reason is not None:
+            choice["stop_reason"] = self.stop_reason
         if self.body.get("return_token_ids"):
             choice["token_ids"] = list(self.ids)
             if not self.chat:
@@ -159,6 +212,9 @@ def journalled(body) -> bool:
         return False
     if any(body.get(k) not in (None, False, 0) for k in NOT_JOURNALLED):
         return False
+    stop = body.get("stop")
+    if not (stop is None or isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
+        return False  # the engine says what is wrong with it
     prompt = body.get("prompt")
     if "messages" not in body and not (isinstance(prompt, str) or (
             isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt))):

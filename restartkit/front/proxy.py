@@ -164,8 +164,9 @@ class Front:
                 if flight.finish is None and flight.max_tokens is not None and len(flight.ids) >= flight.max_tokens:
                     flight.finish = "length"  # every token came; only the end of the answer did not
                 if flight.finish is not None:
+                    tail = flight.flush()  # what was held for a stop string that never came
                     if flight.stream and flight.client is not None and not flight.ended:
-                        await _to_client(flight.client, sse(flight.chunk("", flight.finish, [])))
+                        await _to_client(flight.client, sse(flight.chunk(tail, flight.finish, [])))
                     break
                 if len(flight.ids) > had:  # it got somewhere: the next engine gets the whole wait again
                     deadline = time.monotonic() + self.wait_s
@@ -210,11 +211,14 @@ class Front:
                 if line == b"[DONE]":
                     done = True
                     break
-                await self._take(request, flight, json.loads(line))
+                if await self._take(request, flight, json.loads(line)):
+                    done = True  # a stop string ended the answer: the engine's stream is closed, its request cancelled
+                    break
             if not done:
                 raise EngineDied("the engine's stream ended before [DONE]")
 
-    async def _take(self, request, flight: Flight, chunk: dict) -> None:
+    async def _take(self, request, flight: Flight, chunk: dict) -> bool:
+        """One chunk of an engine's stream journalled and passed on; True where a stop string ended the answer."""
         if "error" in chunk and not chunk.get("choices"):
             raise _Refusal(500, json.dumps(chunk).encode())
         if flight.head is None:
@@ -224,8 +228,10 @@ class Front:
             if prompt is not None and flight.prompt_ids is None:
                 flight.prompt_ids = list(prompt)
             piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content") or ""
-            ids = flight.take(list(choice.get("token_ids") or ()), piece or "")
             finish = choice.get("finish_reason")
+            ids, piece = flight.take(list(choice.get("token_ids") or ()), piece or "", finish)
+            if flight.stop_reason is not None:
+                finish = "stop"
             if finish is not None:
                 flight.finish = finish
             if flight.stream and (piece or ids or finish or not flight.role_sent):
@@ -234,8 +240,9 @@ class Front:
                                                                 "Cache-Control": "no-cache"})
                     await flight.client.prepare(request)
                 if piece or finish or not flight.role_sent or flight.body.get("return_token_ids"):
-                    await _to_client(flight.client, sse(flight.chunk(piece or "", finish, ids, prompt)))
+                    await _to_client(flight.client, sse(flight.chunk(piece, finish, ids, prompt)))
                     flight.ended = finish is not None
+        return flight.stop_reason is not None
 
     async def passthrough(self, request: web.Request, raw: bytes) -> web.StreamResponse:
         """A request the front cannot continue: forwarded as it is, streamed back as it comes."""

@@ -128,7 +128,7 @@ def test_requests_in_flight_on_a_killed_vllm_are_continued_by_its_standby(make_p
     import random
 
     from tests.helpers import Supervised, ask_as, prom_sample
-    from tests.streams import ClientsThroughKills, http, mixed_requests
+    from tests.streams import NEVER, ClientsThroughKills, http, mixed_requests
     policy = cache_policy(make_policy, vllm_model, service_cleanup, sockdir,
                           extra='\n[standby]\nenabled = true\nkv_ahead = "never"\n',
                           env=', VLLM_CPU_OMP_THREADS_BIND = "nobind"')
@@ -137,7 +137,7 @@ def test_requests_in_flight_on_a_killed_vllm_are_continued_by_its_standby(make_p
     start_preload(policy, preloads)
     s = Supervised(policy, tmp_path)
     port = int(policy.read_text().split("\nport = ")[1].split()[0])
-    clients = ClientsThroughKills(port, mixed_requests(8, low=60, high=150), model=str(vllm_model))
+    clients = ClientsThroughKills(port, mixed_requests(8, low=60, high=150, stop=NEVER), model=str(vllm_model))
     rng = random.Random(3)
     try:
         s.wait_note("READY=1", timeout=START_S)

@@ -66,6 +66,8 @@ def test_stop_strings_still_end_the_text_where_they_start(tmp_path):
     stopped = [so_far(t) for t in ids]
     assert stopped.index(True) == len("ab€€y€".encode()) + len("€x".encode()) - 1
     assert so_far.text == "ab€€y€" and "".join(sent) == "ab€€y€"
+    kept = TextSoFar(tok, ["€x", "zz"], include_stop=True)  # vLLM's include_stop_str_in_output
+    assert [kept(t) for t in ids].index(True) == stopped.index(True) and kept.text == "ab€€y€€x"
 
 
 def test_a_stream_gets_a_piece_for_every_token_empty_while_its_text_is_held(tmp_path):

@@ -23,7 +23,7 @@ class BadRequest(ValueError):
 SAMPLING = {"top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
             "stop_token_ids", "ignore_eos", "min_tokens"}  # OpenAI's, and vLLM's extensions
 COMMON = {"model", "max_tokens", "temperature", "seed", "n", "stop", "stream", "stream_options", "user",
-          "return_token_ids"} | SAMPLING
+          "return_token_ids", "include_stop_str_in_output"} | SAMPLING
 NEUTRAL = {"logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
            "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
            "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, True, False),
@@ -58,6 +58,7 @@ class Ask:
     include_usage: bool
     chat: bool
     sampling: dict = field(default_factory=dict)  # top_p .. min_tokens (sched.sequence.Sampling's names)
+    include_stop: bool = False  # the stop string found ends the text (vLLM's include_stop_str_in_output)
     token_ids: bool = False  # return_token_ids (vLLM's): each choice, and each streamed chunk, carries its token ids
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
@@ -101,6 +102,9 @@ def _common(body: dict, chat: bool) -> dict:
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest(f"stop must be a non-empty string or a list of up to {MAX_STOP} of them", "stop")
+    include_stop = body.get("include_stop_str_in_output") or False
+    if not isinstance(include_stop, bool):
+        raise BadRequest("include_stop_str_in_output must be true or false", "include_stop_str_in_output")
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise BadRequest("stream must be true or false", "stream")
@@ -111,7 +115,7 @@ def _common(body: dict, chat: bool) -> dict:
     if not isinstance(token_ids, bool):
         raise BadRequest("return_token_ids must be true or false", "return_token_ids")
     return {"max_tokens": max_tokens, "temperature": float(temperature), "seed": seed, "token_ids": token_ids,
-            "n": _int(body, "n", 1, 1, MAX_N), "stop": stop, "stream": stream,
+            "n": _int(body, "n", 1, 1, MAX_N), "stop": stop, "stream": stream, "include_stop": include_stop,
             "include_usage": bool((opts or {}).get("include_usage")), "sampling": _sampling(body, max_tokens)}
 
 
@@ -386,8 +390,10 @@ class TextSoFar:
     `each_token`: every token sends a piece, empty while its text is held back (as vLLM streams: a client sees
     each token come, its id and logprob with it, and times its first token by the first chunk)."""
 
-    def __init__(self, tokenizer, stop: list[str], send=None, aligned: bool = False, each_token: bool = False):
+    def __init__(self, tokenizer, stop: list[str], send=None, aligned: bool = False, each_token: bool = False,
+                 include_stop: bool = False):
         self.tokenizer, self.stop, self.send, self.aligned, self.each_token = tokenizer, stop, send, aligned, each_token
+        self.include_stop = include_stop  # the stop string stays in the text
         self.decoding = Decoding(tokenizer)
         self.logprobs: list[float | None] = []
         self.top_logprobs: list[dict | None] = []
@@ -403,9 +409,10 @@ class TextSoFar:
         seen = len(self.text.rstrip("\ufffd"))  # the text before a character still incomplete stays
         full = self.decoding.add(token)
         # a stop string found now ends in the new text: it starts at most its length back from there
-        cut = min((i for i in (full.find(s, max(0, seen - len(s))) for s in self.stop) if i >= 0), default=-1)
+        cut, hit = min(((i, s) for s in self.stop if (i := full.find(s, max(0, seen - len(s)))) >= 0),
+                       default=(-1, ""))
         if cut >= 0:
-            self.text, self.stopped = full[:cut], True
+            self.text, self.stopped = full[:cut + (len(hit) if self.include_stop else 0)], True
             self._send(len(self.text))
             return True
         self.text = full

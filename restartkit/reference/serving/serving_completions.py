@@ -164,7 +164,8 @@ class CompletionRoutes:
         by_index = {s.index: s for s in seqs}
         state: dict[int, _Choice] = {}
         for seq in seqs:
-            so_far = TextSoFar(st.tokenizer, ask.stop, aligned=ask.stream and ask.token_ids, each_token=ask.stream)
+            so_far = TextSoFar(st.tokenizer, ask.stop, aligned=ask.stream and ask.token_ids, each_token=ask.stream,
+                                include_stop=ask.include_stop)
             c = state[seq.index] = _Choice(so_far, seq.prompt)
             if ask.stream:
                 so_far.send = _Streamed(self, ask, seq.index, so_far, seq.prompt)
