@@ -203,6 +203,52 @@ def test_supervise_refuses_a_front_port_it_cannot_have_by_name(make_policy, serv
     assert run_cli("status", "--policy", policy).returncode != 0  # nothing left serving
 
 
+# an engine that refuses a field it does not know, as a strict OpenAI server does: the reference engine behind a
+# relay that answers 400 to include_stop_str_in_output and passes everything else on as it is
+STRICT = """
+import sys, aiohttp
+from aiohttp import web
+UP = sys.argv[2]
+async def handle(req):
+    body = await req.read()
+    if b"include_stop_str_in_output" in body:
+        return web.json_response({"error": {"message": "unknown field 'include_stop_str_in_output'"}}, status=400)
+    async with aiohttp.ClientSession() as s, s.request(req.method, UP + req.path_qs, data=body,
+                                                       headers={"Content-Type": "application/json"}) as r:
+        out = web.StreamResponse(status=r.status, headers={"Content-Type": r.headers["Content-Type"]})
+        await out.prepare(req)
+        async for data in r.content.iter_any():
+            await out.write(data)
+        await out.write_eof()
+        return out
+app = web.Application()
+app.router.add_route("*", "/{tail:.*}", handle)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
+"""
+
+
+def test_an_engine_that_refuses_include_stop_str_in_output_is_asked_without_it(tiny_model):
+    engine, eport = serve_reference(tiny_model, "--threads", "1")
+    sport = free_port()
+    strict = subprocess.Popen([sys.executable, "-c", STRICT, str(sport), f"http://127.0.0.1:{eport}"])
+    front = None
+    try:
+        wait_for(lambda: http(f"http://127.0.0.1:{sport}/v1/models", timeout=1), 20)
+        front, port = start_front(sport)
+        direct = client(eport)
+        for stream in (True, False):
+            req = {"prompt": "restart me", "max_tokens": 24, "stream": stream, "chat": False}
+            text = ask(direct, req)[1]
+            at = next(i for i in range(3, len(text) - 1) if "\ufffd" not in text[i:i + 2])
+            stop = {**req, "stop": [text[at:at + 2]]}
+            assert ask(client(port), stop) == ask(direct, stop), stop  # the engine's own stop handling, as before
+    finally:
+        for proc in (engine, strict, front):
+            if proc is not None:
+                proc.kill()
+                proc.wait(10)
+
+
 def test_an_api_key_is_passed_on_to_the_engine_and_a_wrong_one_refused(tiny_model):
     import openai
     engine, eport = serve_reference(tiny_model, "--threads", "1", "--api-key", "sesame")

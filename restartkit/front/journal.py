@@ -19,7 +19,9 @@ holds nothing back, and still stops there), and the front holds what may start o
 once the next characters show that no stop string starts there, whichever engine sends them, and a stop string
 across a seam is found too.  A stop string found ends the answer (finish_reason "stop", `stop_reason` the string,
 in the text only where the client asked for that) and the engine's stream is closed.  The stop strings still go to
-the engine, which checks them as it would without the front (a bad one is its error).
+the engine, which checks them as it would without the front (a bad one is its error).  An engine that refuses
+`include_stop_str_in_output` (a 400 naming it) is asked again without it, and so is every later request: the
+engine then holds and cuts its stop strings itself, as before the front.
 
 What a continuation means: for greedy requests, and seeded sampling on the reference engine (each token's
 randomness comes from the seed and its position), the whole answer is the one an undisturbed engine gives.
@@ -52,6 +54,7 @@ class Flight:
     text: str = ""  # the client's text (shown)
     held: str = ""  # text come from an engine that may be the start of a stop string: not the client's yet
     stop_reason: str | None = None  # the stop string found, which ended the answer
+    keep_stop: bool = True  # ask the engine to keep a stop string in its text (False: an engine that refuses that)
     clean: int = 0  # how many of `ids` the client has the text of (the rest: a character's first bytes, held back)
     redo: list[int] = field(default_factory=list)  # held-back tokens the continuation generates again (not re-sent)
     finish: str | None = None
@@ -78,7 +81,7 @@ class Flight:
     def upstream_body(self) -> dict:
         """The request the engine gets first: the client's, streamed, with token ids and usage (and its stop
         strings in its text: see the module's docstring)."""
-        stops = {"include_stop_str_in_output": True} if self.stops else {}
+        stops = {"include_stop_str_in_output": True} if self.stops and self.keep_stop else {}
         return {**self.body, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True},
                 **stops}
 
@@ -104,7 +107,7 @@ class Flight:
             body["min_tokens"] = max(0, int(body["min_tokens"]) - len(done))
         body.update(prompt=self.prompt_ids + done, max_tokens=left, stream=True, return_token_ids=True,
                     stream_options={"include_usage": True})
-        if self.stops:
+        if self.stops and self.keep_stop:
             body["include_stop_str_in_output"] = True
         return "/v1/completions", body
 

@@ -49,6 +49,7 @@ class Front:
             if died_with:
                 say(f"front: {died_with} request(s) were in flight on the front before this one: lost with it")
         self.max_model_len: int | None = None
+        self.keep_stop = True  # the engine takes include_stop_str_in_output (restartkit.front.journal)
         self.session: aiohttp.ClientSession | None = None
 
     def app(self) -> web.Application:
@@ -147,6 +148,7 @@ class Front:
 
     async def _journalled(self, request: web.Request, chat: bool, body: dict) -> web.StreamResponse:
         flight = Flight(chat=chat, body=body, stream=bool(body.get("stream")), role_sent=not chat,
+                        keep_stop=self.keep_stop,
                         auth={k: v for k, v in request.headers.items() if k.lower() == "authorization"})
         route, upstream_body = ("/v1/chat/completions" if chat else "/v1/completions"), flight.upstream_body()
         deadline = time.monotonic() + self.wait_s
@@ -156,6 +158,13 @@ class Front:
                 await self._relay(request, flight, route, upstream_body, deadline)
                 break
             except _Refusal as e:  # the engine answered with an error: the client gets it
+                if e.status == 400 and flight.keep_stop and flight.stops and b"include_stop_str_in_output" in e.body:
+                    self.keep_stop = flight.keep_stop = False  # an engine without it: its stop strings are its own
+                    try:  # the same request again (or the same continuation), without it
+                        route, upstream_body = flight.continuation(await self._max_model_len(flight.auth))
+                    except CannotContinue as why:
+                        return await self._lost(flight.client, flight, str(why))
+                    continue
                 if (client := flight.client) is None:
                     return web.Response(status=e.status, body=e.body, content_type="application/json")
                 await _end_with_error(client, e.body.decode(errors="replace"))
