@@ -7,9 +7,10 @@
 An engine of --rows slots (max_model_len 4096) whose first rows - 1 slots each hold a sequence of --context
 tokens.  Times (median of 10, synchronized): the decode step of those sequences (the decode graph, as
 serving runs it), and each mixed step of their decode rows plus a prompt chunk of the given length in the last
-slot (eager, one forward pass: what a step of the budget runs while prompts wait), and that chunk's prefill
-alone.  Then the mixed step's device time in kernels (torch.profiler) against its wall time: a step whose wall
-time is far above its kernels' waits on the host."""
+slot (what a step of the budget runs while prompts wait), and that chunk's prefill alone: eagerly (one forward
+pass) and as serving runs them on a GPU, CUDA graphs between the chunk's attention
+(restartkit.reference.runtime.piecewise).  Then the step's device time in kernels (torch.profiler) against its
+wall time: a step whose wall time is far above its kernels' waits on the host."""
 from __future__ import annotations
 
 import argparse
@@ -49,10 +50,20 @@ def main() -> int:
             assert eng.reserve(n, chunk + 1)
             prompt = [rng.randrange(1, vocab) for _ in range(chunk)]
             segs = [(s, a.context, [t]) for s, t in zip(slots, tokens)] + [(n, 0, prompt)]
+            pieces, eng._pieces = eng._pieces, None  # eagerly, one forward pass
             mixed_ms = timed(lambda: eng.mixed(segs), sync, 10)
             alone_ms = timed(lambda: eng.mixed([(n, 0, prompt)]), sync, 10)
-            rows.append((f"mixed, {n} decode rows + a {chunk}-token chunk", mixed_ms, n, chunk))
-            rows.append((f"the {chunk}-token chunk alone", alone_ms, 0, chunk))
+            eng._pieces = pieces
+            rows.append((f"mixed, {n} decode rows + a {chunk}-token chunk, eager", mixed_ms, n, chunk))
+            rows.append((f"the {chunk}-token chunk alone, eager", alone_ms, 0, chunk))
+            if pieces is not None:  # graphs between the chunk's attention: the first step captures them
+                eng.mixed(segs)
+                eng.mixed([(n, 0, prompt)])
+                rows.append((f"mixed, {n} decode rows + a {chunk}-token chunk, in graphs",
+                             timed(lambda: eng.mixed(segs), sync, 10), n, chunk))
+                rows.append((f"the {chunk}-token chunk alone, in graphs",
+                             timed(lambda: eng.mixed([(n, 0, prompt)]), sync, 10), 0, chunk))
+                print(f"  pieces: {pieces.counts}", flush=True)
             if a.device.startswith("cuda"):
                 from torch.profiler import ProfilerActivity, profile
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

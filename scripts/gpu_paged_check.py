@@ -66,8 +66,12 @@ def check(model, device: str, answer: int, dtype: str | None) -> list[tuple[str,
             same = sum(g == w for g, w in zip(got, want))
             first = [next((i for i, (x, y) in enumerate(zip(g, w)) if x != y), min(len(g), len(w)))
                      for g, w in zip(got, want) if g != w]
+            pieces = dict(eng._pieces.counts) if eng._pieces is not None else None
             print(f"  {name}, budget {budget}: {same}/{len(ps)} equal alone (others differ from token {first}), "
-                  f"{time.perf_counter() - t0:.1f} s, counts {counts}", flush=True)
+                  f"{time.perf_counter() - t0:.1f} s, counts {counts}, mixed steps in graphs {pieces}", flush=True)
+            if pieces is not None and counts["mixed"]:
+                verdicts.append((f"{name}, budget {budget}: mixed steps captured and replayed as graphs",
+                                 pieces["graphed"] > 0 and not pieces["capture_failed"]))
             verdicts.append((f"{name}, budget {budget}: every answer = alone "
                              f"({counts.get('preempted', 0)} preempted)", same == len(ps)))
             verdicts.append((f"{name}, budget {budget}: every block free after", eng.free_blocks() == free))

@@ -31,10 +31,14 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 COLS = 5  # a row of the cache at max_model_len 256: 4 blocks of 64 positions and one more
 
 
-@pytest.mark.parametrize("rows, budget, ahead", [(1, 512, False), (2, 24, False), (2, 64, False), (3, 512, True)])
-def test_a_full_kv_cache_preempts_and_every_sequence_gets_its_answer_alone(tiny_model, alone, rows, budget, ahead):
+@pytest.mark.parametrize("rows, budget, ahead, pieces", [(1, 512, False, False), (2, 24, False, False),
+                                                         (2, 64, False, False), (3, 512, True, False),
+                                                         (2, 64, False, True), (3, 512, True, True)])
+def test_a_full_kv_cache_preempts_and_every_sequence_gets_its_answer_alone(tiny_model, alone, rows, budget, ahead,
+                                                                           pieces):
     """`ahead`: greedy steps launched before the last one's tokens are read (what CUDA graphs do), each taking
-    the block it writes into first."""
+    the block it writes into first.  `pieces`: mixed steps as a GPU runs them, in pieces between the chunks'
+    attention (restartkit.reference.runtime.piecewise), here without graphs, the chunks' keys gathered by block."""
     ps, answer = prompts(8, seed=rows + budget), 100
     want = [alone.generate(p, answer).tokens for p in ps]
     probe = Engine(EngineOptions(model=str(tiny_model), max_model_len=256, max_num_seqs=8))
@@ -43,6 +47,9 @@ def test_a_full_kv_cache_preempts_and_every_sequence_gets_its_answer_alone(tiny_
                                kv_cache_memory=rows * COLS * block_bytes(probe)))
     eng.start()
     eng.run_ahead = ahead
+    if pieces:
+        from restartkit.reference.runtime.piecewise import MixedGraphs
+        eng._pieces = MixedGraphs(eng.model, eng.device, capture=False)
     usable = rows * COLS - 1  # the scratch block is no one's
     assert eng.kv_blocks == rows * COLS and eng.free_blocks() == usable
     seqs = [Sequence(list(p), Sampling(answer, 0.0)) for p in ps]
@@ -52,6 +59,8 @@ def test_a_full_kv_cache_preempts_and_every_sequence_gets_its_answer_alone(tiny_
     assert sched_counts["preempted"] >= 1, sched_counts
     assert (sched_counts["ahead"] > 0) == ahead, sched_counts
     assert eng.free_blocks() == usable  # every block back
+    if pieces:
+        assert eng._pieces.counts["eager"] == sched_counts["mixed"] > 0, (eng._pieces.counts, sched_counts)
 
 
 def test_a_kv_cache_dropped_and_restored_has_its_budget_again(tiny_model, alone):

@@ -134,3 +134,20 @@ def test_short_chunks_beside_running_streams_through_prefill_graphs_give_the_sam
     two = [Sequence(list(p), Sampling(4, ignore_eos=True)) for p in prompts(2, [10, 20], seed=3)]
     counts = run_together(tiny_engine, two, 512)  # two short prompts, nothing running: two prefills, no empty decode
     assert counts["mixed"] == 0 and all(len(s.tokens) == 4 for s in two)
+
+
+def test_a_mixed_step_in_pieces_between_its_chunks_attention_gives_the_same_tokens(tiny_engine, monkeypatch):
+    """On a GPU a mixed step runs as CUDA graphs between its chunks' attention (restartkit.reference.runtime.piecewise:
+    decode rows by slot, then the chunks' rows padded, in static buffers).  The same pieces run here without graphs:
+    tokens equal alone at budgets that cut prompts anywhere, several chunks in a step; every mixed step took them."""
+    from restartkit.reference.runtime.piecewise import MixedGraphs
+    ps = prompts(8, LENGTHS)
+    alone = [answers(tiny_engine, [p], 24, 4096)[0] for p in ps]
+    pieces = MixedGraphs(tiny_engine.model, tiny_engine.device, capture=False)
+    monkeypatch.setattr(tiny_engine, "_pieces", pieces)
+    for budget in (8, 13, 64, 512):
+        seqs = [Sequence(list(p), Sampling(24, ignore_eos=True)) for p in ps]
+        counts = run_together(tiny_engine, seqs, budget)
+        assert [s.tokens for s in seqs] == alone, budget
+        assert pieces.counts["eager"] == counts["mixed"] > 0, (budget, pieces.counts, counts)
+        pieces.counts["eager"] = 0

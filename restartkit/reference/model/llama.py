@@ -176,10 +176,18 @@ class Attention(nn.Module):
         """Consecutive tokens of one sequence, q [T, heads, hd] (their keys and values written), against its
         slot's keys and values: matrix products over the keys up to the last of them (blocked [T, span], True
         where query t may not see key j).  Returns [T, heads, hd]."""
-        T, hd, n_kv = q.shape[0], self.head_dim, self.n_kv
-        group = self.n_heads // n_kv  # query heads per KV head
         span = blocked.shape[-1]  # keys up to the last position of these tokens
         cache_k, cache_v = paged.slot_keys(cache_k, table, slot, span), paged.slot_keys(cache_v, table, slot, span)
+        return self.attend_keys(q, cache_k, cache_v, blocked)
+
+    def attend_keys(self, q, cache_k, cache_v, blocked):
+        """Consecutive tokens of one sequence, q [T, heads, hd], against its keys and values [kv_heads, span, hd]
+        (their own the last T): a GPU's fused attention, causal from the bottom right; elsewhere matrix products
+        (blocked [T, span], True where query t may not see key j; unused on a GPU, may be None there).  Returns
+        [T, heads, hd]."""
+        T, hd, n_kv = q.shape[0], self.head_dim, self.n_kv
+        group = self.n_heads // n_kv  # query heads per KV head
+        span = cache_k.shape[1]
         if q.is_cuda:  # fused attention (flash in bf16): no [heads, T, span] scores in memory (2x faster at 8B)
             keys, values = (c.repeat_interleave(group, dim=0).unsqueeze(0) for c in (cache_k, cache_v))
             out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values,

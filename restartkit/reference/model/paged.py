@@ -140,12 +140,26 @@ def _blocks_of(cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def slot_keys(cache: torch.Tensor, table: Table, slot: int, span: int) -> torch.Tensor:
     """One slot's first `span` positions of a layer's cache: [kv_heads, span, hd], a view where they are in its
     home row, else gathered."""
+    return keys_at(cache, slot_blocks(table, slot, span, cache.device), slot, span)
+
+
+def slot_blocks(table: Table, slot: int, span: int, device) -> torch.Tensor | None:
+    """The blocks holding one slot's first `span` positions, on `device`, for keys_at (the same for every layer);
+    None where they are its home row's, in order (read as a view)."""
     n = -(-span // BLOCK)
     ids = table.host[slot][:n]
     if slot < table.rows and ids == [table.home(slot, c) for c in range(n)]:
+        return None
+    return torch.tensor(ids, device=device)
+
+
+def keys_at(cache: torch.Tensor, blocks: torch.Tensor | None, slot: int, span: int) -> torch.Tensor:
+    """A slot's first `span` positions of a layer's cache [kv_heads, span, hd] by slot_blocks: a view of its home
+    row (None), else the blocks gathered."""
+    if blocks is None:
         return cache[slot, :, :span]
-    got = _blocks_of(cache, torch.tensor(ids, device=cache.device))  # [n, kv, BLOCK, hd]
-    return got.transpose(0, 1).reshape(cache.shape[1], n * BLOCK, cache.shape[-1])[:, :span]
+    got = _blocks_of(cache, blocks)  # [n, kv, BLOCK, hd]
+    return got.transpose(0, 1).reshape(cache.shape[1], blocks.shape[0] * BLOCK, cache.shape[-1])[:, :span]
 
 
 def row_keys(cache: torch.Tensor, table: Table, rows: torch.Tensor, span: int, in_place: bool) -> torch.Tensor:

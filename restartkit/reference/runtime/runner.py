@@ -18,6 +18,7 @@ from restartkit.reference.model.checkpoint import DTYPES
 from restartkit.reference.model.llama import LlamaForCausalLM, ModelConfig, Parallel, UnsupportedConfig, check_parallel
 from restartkit.reference.model.weights import build_model, processed_weights, set_tensor
 from restartkit.reference.runtime.graphs import DecodeGraphs, Launch
+from restartkit.reference.runtime.piecewise import MixedGraphs
 
 
 @dataclass
@@ -56,6 +57,7 @@ class ModelRunner:
     load_info: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     _graphs: DecodeGraphs | None = None  # the decode step's CUDA graphs (one per batch size)
+    _pieces: MixedGraphs | None = None  # a mixed step's graphs between its chunks' attention (captured as needed)
     is_draft: bool = False  # a draft model: one KV-cache slot, run by its model's speculative decoding
     draft: "ModelRunner | None" = None  # a draft model: greedy requests decode speculatively with it
     spec_tokens: int = 3  # draft tokens proposed per round
@@ -297,9 +299,10 @@ class ModelRunner:
 
     def capture_decode_graph(self) -> None:
         self._graphs = DecodeGraphs(self.model, self.device)
+        self._pieces = MixedGraphs(self.model, self.device)  # nothing captured yet: each step size when first run
 
     def drop_graph(self) -> None:
-        self._graphs = None
+        self._graphs = self._pieces = None
 
     # ---- the steps the scheduler runs ----------------------------------------------------------
     def check_prompt(self, prompt, max_tokens) -> None:
@@ -331,13 +334,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def mixed(self, segments: list[tuple[int, int, list[int]]]) -> torch.Tensor:
-        """Running sequences' next tokens and prompts' chunks in one forward pass, eagerly: segments (slot, first
-        position, tokens) in row order.  The logits of each segment's last token [S, vocab], on the device in the
-        model's dtype."""
+        """Running sequences' next tokens and prompts' chunks in one forward pass: segments (slot, first position,
+        tokens) in row order; with decode graphs, as graphs between the chunks' attention where the step's size
+        allows (restartkit.reference.runtime.piecewise), else eagerly.  The logits of each segment's last token
+        [S, vocab], on the device in the model's dtype (good until the next step)."""
         if self.leads:
             self._broadcast(CMD_MIXED, [len(segments)], [*(s for s, _, _ in segments), *(p for _, p, _ in segments),
                                                           *(len(t) for _, _, t in segments),
                                                           *(x for _, _, t in segments for x in t)])
+        if self._pieces is not None and (logits := self._pieces.run(segments)) is not None:
+            return logits
         tokens = torch.tensor([x for _, _, t in segments for x in t], device=self.device)
         return self.model.mixed(tokens, [(slot, p0, len(t)) for slot, p0, t in segments])
 

@@ -113,7 +113,9 @@ class AdminRoutes:
                        reuse_port=getattr(self.server, "reuse_port", False) or st.prepared_mode or self.server.held,
                        held_socket=self.server.held,
                        weight_bytes=eng.weight_bytes(), kv_cache_bytes=eng.model.kv_cache_bytes,
-                       cuda_graph=eng._graphs is not None)
+                       cuda_graph=eng._graphs is not None,
+                       # mixed steps as graphs between their chunks' attention (restartkit.reference.runtime.piecewise)
+                       mixed_graphs=None if eng._pieces is None else dict(eng._pieces.counts))
         if st.scheduler is not None:
             s = st.scheduler
             running, waiting = s.depth

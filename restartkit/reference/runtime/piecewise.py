@@ -1,0 +1,204 @@
+"""A mixed step (decode rows and prompt chunks in one forward pass: restartkit.reference.sched's token budget) as
+CUDA graphs between its chunks' attention.
+
+Eagerly, a mixed step at 8B shapes on an H200 spent more time on the host than on the device: 19.4 ms for 63
+decode rows and a 448-token chunk, whose kernels took 14.2 ms (about 0.6 ms of Python and launches a layer;
+docs/BENCHMARKS.md), and under load the HTTP threads' share of the interpreter stretched it further.  Once its
+rows are padded, everything in such a step has a static shape but a chunk's attention (over the chunk's span of
+keys, which grows with the prompt).  So the step runs as a graph per layer boundary, from one layer's attention
+output to the next layer's queries (the output projection, the norms, the MLP, q, k and v, the rotary embedding
+and the KV write, and the decode rows' attention by the decode kernel), with each chunk's attention run eagerly
+between them (torch's fused attention, as the eager step runs it): a layer costs a graph's replay and a chunk's
+few launches.
+
+The step's rows: first b decode rows, row r for slot r (b: the smallest decode graph size above the highest slot
+decoding; a slot not decoding writes at its spare position and reads a few keys, as in a decode graph), then the
+chunks' rows in order, padded to C rows (CHUNK_SIZES) with rows at the spare position.  The residual stream, the
+queries and the attention output live in static buffers of the largest step, shared by every (b, C).  Each
+segment's logits (a decode row's, a chunk's last row's) come back in the order the step listed them.
+
+A (b, C) is captured the first time a step needs it, right after that step ran through the same pieces eagerly
+(the capture records and computes nothing: no key or value is written twice), and kept until the KV cache is let
+go (restartkit.reference.runtime.runner.drop_graph): nothing is captured at a start, so no restart waits for these
+graphs.  Steps of more than MAX_CHUNKS chunks or more chunk tokens than the largest size run eagerly (the runner's
+mixed step).  On the CPU the same pieces run without graphs (tests/reference/test_token_budget.py checks them).
+"""
+from __future__ import annotations
+
+import torch
+
+from restartkit.reference.model import kernels, paged
+from restartkit.reference.model.llama import attend
+from restartkit.reference.runtime.graphs import graph_sizes
+
+CHUNK_SIZES = (*range(64, 513, 64), 768, 1024, 1536, 2048)  # a step's chunk rows, padded up to one of these
+MAX_CHUNKS = 8  # prompt chunks a graphed step takes
+
+
+class MixedGraphs:
+    """The pieces of a mixed step over one model and its KV cache (see the module's docstring); `capture`: as CUDA
+    graphs (a GPU), else eagerly, piece by piece."""
+
+    def __init__(self, model, dev: torch.device, capture: bool = True):
+        self.model, self.dev = model, dev
+        self.capture = capture and dev.type == "cuda"
+        self.layers = len(model.model.layers)
+        self.scratch = model.scratch
+        self.decode_sizes = [0, *graph_sizes(model.slots)]
+        attn = model.model.layers[0].self_attn
+        dtype = model.lm_head.weight.dtype
+        rows = model.slots + CHUNK_SIZES[-1]
+        self.inputs = torch.zeros((3, rows), dtype=torch.long, device=dev)  # tokens, positions, slots
+        self.keep = torch.zeros(model.slots + MAX_CHUNKS, dtype=torch.long, device=dev)  # each segment's row
+        self.staging = torch.zeros(3 * rows + len(self.keep), dtype=torch.long)
+        if self.capture:
+            self.staging = self.staging.pin_memory()
+        self.copied = torch.cuda.Event() if self.capture else None  # the last step's inputs left the staging buffer
+        hidden = model.config.hidden_size
+        self.x = torch.zeros(rows, hidden, dtype=dtype, device=dev)  # the residual stream
+        self.q = torch.zeros(rows, attn.n_heads, attn.head_dim, dtype=dtype, device=dev)
+        self.out = torch.zeros(rows, attn.n_heads, attn.head_dim, dtype=dtype, device=dev)  # attention output
+        self.logits = torch.zeros(len(self.keep), model.config.vocab_size, dtype=dtype, device=dev)
+        self.graphs: dict[tuple[int, int], list | None] = {}  # (b, C): a graph per piece; None: its capture failed
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.stream = torch.cuda.Stream(dev) if self.capture else None
+        self.counts = {"graphed": 0, "eager": 0, "captured": 0, "capture_failed": 0}
+        self._decode_span = 0  # the CPU's decode attention: keys up to the highest decode row's position
+
+    def run(self, segments: list[tuple[int, int, list[int]]]) -> torch.Tensor | None:
+        """One mixed step: segments (slot, first position, tokens) as the runner's `mixed` takes them.  The logits of
+        each segment's last token [len(segments), vocab] in the model's dtype (a view of a static buffer, good until
+        the next step); None when the step is not for these pieces (too many chunks or chunk tokens)."""
+        singles = [(i, slot, p0, t[0]) for i, (slot, p0, t) in enumerate(segments) if len(t) == 1]
+        chunks = [(i, slot, p0, t) for i, (slot, p0, t) in enumerate(segments) if len(t) > 1]
+        n_chunk = sum(len(t) for _, _, _, t in chunks)
+        if len(chunks) > MAX_CHUNKS or n_chunk > CHUNK_SIZES[-1]:
+            return None
+        b = next(size for size in self.decode_sizes if size > max((s for _, s, _, _ in singles), default=-1))
+        c = next((size for size in CHUNK_SIZES if size >= n_chunk), 0) if chunks else 0
+        spans = self._fill(b, c, singles, chunks)
+        key = (b, c)
+        graphs = self.graphs.get(key)
+        for i in range(self.layers + 1):
+            if graphs:
+                graphs[i].replay()
+            else:
+                self._piece(i, b, b + c)
+            if i < self.layers:
+                self._attend_chunks(i, spans)
+        self.counts["graphed" if graphs else "eager"] += 1
+        if self.capture and key not in self.graphs:
+            self._capture(key)
+        return self.logits[:len(segments)]
+
+    def _fill(self, b: int, c: int, singles, chunks) -> list[tuple[int, int, int, int, torch.Tensor | None, object]]:
+        """The step's inputs into the static buffers; returns each chunk's (first row, rows, slot, span, blocks,
+        blocked) for its attention."""
+        rows = b + c
+        tok, pos, slot_of = [0] * rows, [self.scratch] * rows, [*range(b), *[0] * c]
+        keep = [0] * len(self.keep)
+        for i, slot, p0, token in singles:
+            tok[slot], pos[slot], keep[i] = token, p0, slot
+        spans, r = [], b
+        model = self.model
+        for i, slot, p0, tokens in chunks:
+            n = len(tokens)
+            tok[r:r + n], pos[r:r + n], slot_of[r:r + n] = tokens, range(p0, p0 + n), [slot] * n
+            keep[i] = r + n - 1
+            end = p0 + n
+            blocked = None
+            if not self.capture:  # the CPU's attention masks: query t may not see the keys past its position
+                blocked = model._key_pos[:end].unsqueeze(0) > torch.arange(p0, end).unsqueeze(1)
+            spans.append((r, n, slot, end, paged.slot_blocks(model.kv, slot, end, self.dev), blocked))
+            r += n
+        self._decode_span = max((p0 for _, _, p0, _ in singles), default=0) + 1
+        full = len(self.inputs[0])
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copy has left the pinned buffer
+        self.staging[:3 * full].view(3, full)[:, :rows].copy_(torch.tensor([tok, pos, slot_of]))
+        self.staging[3 * full:].copy_(torch.tensor(keep))
+        self.inputs[:, :rows].copy_(self.staging[:3 * full].view(3, full)[:, :rows], non_blocking=True)
+        self.keep.copy_(self.staging[3 * full:], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        return spans
+
+    def _piece(self, i: int, b: int, rows: int) -> None:
+        """Piece i of a step of b decode rows and `rows` rows in all: layer i-1's attention output through its
+        MLP (none before layer 0: the embedding), then layer i's queries, keys and values, the keys and values
+        written, and the decode rows' attention; piece L (the last) ends in the logits."""
+        model, x = self.model, self.x[:rows]
+        layers, delta = model.model.layers, None
+        if i == 0:
+            x.copy_(model.model.embed_tokens(self.inputs[0, :rows]))
+        else:
+            layer = layers[i - 1]
+            attn = layer.self_attn
+            out = attn.par.reduce(attn.o_proj(self.out[:rows].view(rows, -1)))
+            norm = layer.post_attention_layernorm
+            summed, h = kernels.add_rms_norm(x, out, norm.weight, norm.eps)
+            x.copy_(summed)
+            delta = layer.feed_forward(h)
+        if i == self.layers:
+            keep = self.keep[:b + MAX_CHUNKS]
+            norm = model.model.norm
+            h = kernels.add_rms_norm(x.index_select(0, keep), delta.index_select(0, keep), norm.weight, norm.eps)[1]
+            self.logits[:len(keep)].copy_(model.lm_head(h))
+            return
+        layer = layers[i]
+        attn, norm = layer.self_attn, layer.input_layernorm
+        summed, h = kernels.add_rms_norm(x, delta, norm.weight, norm.eps)
+        if delta is not None:
+            x.copy_(summed)
+        q, k, v = attn.qkv(h)
+        positions, slots = self.inputs[1, :rows], self.inputs[2, :rows]
+        q = kernels.rope_write_kv(q, k, v, model._cos, model._sin, positions, slots, model.cache_k[i],
+                                  model.cache_v[i], model.kv.device)
+        self.q[:rows].copy_(q)
+        if b:
+            self.out[:b].copy_(self._attend_decode(attn, q[:b], i, positions[:b], slots[:b]))
+
+    def _attend_decode(self, attn, q, i, positions, slots):
+        """The decode rows' attention [b, heads, hd]: the decode kernel on a GPU, else matrix products over their
+        slots' keys up to the highest decode row's position."""
+        model = self.model
+        got = kernels.attend_decode(q, model.cache_k[i], model.cache_v[i], positions, slots, model.kv.device)
+        if got is not None:
+            return got
+        b, span, n_kv, hd = q.shape[0], self._decode_span, attn.n_kv, attn.head_dim
+        mask = model._key_pos[:span].unsqueeze(0) > positions.unsqueeze(1)
+        keys = paged.row_keys(model.cache_k[i], model.kv, slots, span, False)
+        values = paged.row_keys(model.cache_v[i], model.kv, slots, span, False)
+        return attend(q.view(b, n_kv, attn.n_heads // n_kv, hd), keys, values, mask).reshape(b, attn.n_heads, hd)
+
+    def _attend_chunks(self, i: int, spans) -> None:
+        """Layer i's attention of each chunk, eagerly, from the static queries into the static output."""
+        model = self.model
+        attn = model.model.layers[i].self_attn
+        for r, n, slot, end, blocks, blocked in spans:
+            keys = paged.keys_at(model.cache_k[i], blocks, slot, end)
+            values = paged.keys_at(model.cache_v[i], blocks, slot, end)
+            self.out[r:r + n] = attn.attend_keys(self.q[r:r + n], keys, values, blocked)
+
+    def _capture(self, key: tuple[int, int]) -> None:
+        """(b, C)'s pieces as graphs, in the pool they share; on failure that size runs eagerly from then on."""
+        b, c = key
+        graphs = []
+        try:
+            self.stream.wait_stream(torch.cuda.current_stream(self.dev))
+            with torch.cuda.stream(self.stream):
+                for i in range(self.layers + 1):
+                    graph = torch.cuda.CUDAGraph()
+                    graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                    try:
+                        self._piece(i, b, b + c)
+                    finally:
+                        graph.capture_end()
+                    graphs.append(graph)
+            torch.cuda.current_stream(self.dev).wait_stream(self.stream)
+        except RuntimeError:
+            self.graphs[key] = None
+            self.counts["capture_failed"] += 1
+            return
+        self.graphs[key] = graphs
+        self.counts["captured"] += 1
