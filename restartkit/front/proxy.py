@@ -26,6 +26,7 @@ REFUSED_PREFIXES = ("/admin", "/sleep", "/wake_up", "/is_sleeping", "/collective
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "x-restartkit-admin"}
 RETRY_PAUSE_S = 0.05
 SAVE_EVERY_S = 0.25  # the counts file's period (Front.counts_file)
+KEEP_IDLE_S = 2.0  # how long a connection to the engine is kept idle for the next request
 
 
 class EngineDied(Exception):
@@ -61,8 +62,10 @@ class Front:
 
     async def _open(self, _app) -> None:
         # no cap of its own on connections to the engine (aiohttp's default is 100): max_in_flight bounds them,
-        # and the engine's --max-num-seqs says how many run at once
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+        # and the engine's --max-num-seqs says how many run at once.  Connections are kept between requests (the
+        # engines stream in chunks), idle for less than the engines keep them (5 s: uvicorn's default, and the
+        # reference engine's), so that the front seldom sends on one its engine is closing
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEP_IDLE_S),
                                              timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
                                              auto_decompress=False)
         if self.counts_file is not None:

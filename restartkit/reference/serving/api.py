@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterable
@@ -225,16 +226,36 @@ class Handler(CompletionRoutes, UtilityRoutes, AdminRoutes, BaseHTTPRequestHandl
 
     # ---- server-sent events (stream: true) ----------------------------------------
     def _events_begin(self) -> None:
+        """A stream's head.  To an HTTP/1.1 client in chunks (Transfer-Encoding), so that its connection is kept for
+        the next request (the front's to the engine: no connect and accept per request); to HTTP/1.0 the stream ends
+        when the connection does."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")  # the stream ends when the connection does
+        self._chunked = self.request_version == "HTTP/1.1"
+        if self._chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        if not self._chunked or self.server.state.stopping:
+            self.send_header("Connection", "close")
+            self.close_connection = True
         self.end_headers()
-        self.close_connection = True
 
     def _event(self, obj) -> None:
-        self.wfile.write(b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n")
+        data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+        if getattr(self, "_chunked", False):
+            data = b"%x\r\n%s\r\n" % (len(data), data)
+        self.wfile.write(data)
         self.wfile.flush()
+
+    def _events_end(self, whole: bool = True) -> None:
+        """A stream's end: `whole` (after [DONE]), the last chunk, the connection kept; else the connection closed
+        with no last chunk, so that the client sees the stream cut."""
+        if getattr(self, "_chunked", False) and whole:
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        else:
+            self.close_connection = True
+        self._chunked = False
 
     def _body(self) -> dict | None:
         """The request's JSON object, or None after a 4xx naming what is wrong with it (the connection is
@@ -296,6 +317,10 @@ class Handler(CompletionRoutes, UtilityRoutes, AdminRoutes, BaseHTTPRequestHandl
         super().setup()
         if self.connection.gettimeout() is None:  # a client that stops sending mid-request frees its thread
             self.connection.settimeout(READ_TIMEOUT_S)
+        if self.connection.family in (socket.AF_INET, socket.AF_INET6):
+            # each event of a stream leaves at once: a stream's last chunk (its end, on a kept connection) written
+            # behind [DONE] would otherwise wait for the client's delayed ack (40 ms)
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def handle_one_request(self):
         """Each request: its first byte within KEEPALIVE_S (an idle keep-alive connection is closed), the rest

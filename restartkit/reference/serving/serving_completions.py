@@ -69,8 +69,10 @@ class CompletionRoutes:
                                             ids=[] if ask.token_ids else None, prompt=seqs[0].prompt))
             choices, usage = self._collect(ask, seqs)
         except (EngineGone, EngineNotReady) as e:  # asleep, or its cache dropped, after the check above
-            if not ask.stream:  # a stream ends without [DONE]: the client sees it cut
+            if not ask.stream:
                 self._error(503, f"the engine is not ready: {e}", "unavailable")
+            else:  # a stream ends without [DONE]: the client sees it cut
+                self._events_end(whole=False)
             return
         except (ClientGone, OSError):
             self._client_left(len(seqs))
@@ -83,6 +85,7 @@ class CompletionRoutes:
             if ask.include_usage:
                 self._event({**self._head(ask), "choices": [], "usage": usage})
             self._event(b"[DONE]")
+            self._events_end()
         else:
             self._send(200, {**self._head(ask), "choices": choices, "usage": usage,
                              "system_fingerprint": f"restartkit-ref-{os.getpid()}"})
