@@ -301,11 +301,11 @@ def io_uring(value: int):
             f.write(old)
 
 
-def serve_reference(model, *extra, max_model_len: int = 256, log=None, env: dict | None = None
-                    ) -> tuple[subprocess.Popen, int]:
-    """A reference engine serving `model` on a free loopback port, once /health says ready: (process, port);
-    `log`: a file for its output; `env`: added to its environment."""
-    port = free_port()
+def serve_reference(model, *extra, max_model_len: int = 256, log=None, env: dict | None = None,
+                    port: int | None = None) -> tuple[subprocess.Popen, int]:
+    """A reference engine serving `model` on a loopback port (`port`, else a free one), once /health says ready:
+    (process, port); `log`: a file for its output; `env`: added to its environment."""
+    port = port or free_port()
     out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (the child holds it)
     proc = subprocess.Popen([sys.executable, "-m", "restartkit.reference.serving.server", "--model", str(model), "--port",
                              str(port), "--max-model-len", str(max_model_len), *extra], cwd=ROOT,

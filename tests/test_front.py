@@ -268,3 +268,51 @@ def test_an_api_key_is_passed_on_to_the_engine_and_a_wrong_one_refused(tiny_mode
         if front is not None:
             front.terminate()
             front.wait(10)
+
+
+def test_a_request_the_front_cannot_continue_is_sent_again_whole_or_ends_with_an_error_event(tiny_model):
+    """n > 1, logprobs, echo: the front cannot continue them from their tokens.  Not streamed, an engine SIGKILLed
+    mid-answer costs the client nothing: the request goes again, whole, to the next engine on the port, and the
+    answer equals an undisturbed one.  Streamed, once part of it reached the client, the client gets an error event
+    and [DONE], never a reset; both are counted."""
+    engine, eport = serve_reference(tiny_model, "--threads", "1", max_model_len=2048)
+    front = nxt = None
+    try:
+        front, port = start_front(eport)
+        body = {"model": "tiny", "prompt": "restart me", "max_tokens": 40, "temperature": 0, "logprobs": 1}
+        want = http(f"http://127.0.0.1:{eport}/v1/completions", "POST", body)
+        assert want[0] == 200
+        os.kill(engine.pid, signal.SIGSTOP)  # the request reaches it and waits there, mid-answer
+        got = []
+        asker = threading.Thread(target=lambda: got.append(http(f"http://127.0.0.1:{port}/v1/completions", "POST",
+                                                                body, timeout=60)))
+        asker.start()
+        time.sleep(1.0)
+        engine.kill()
+        engine.wait(10)
+        nxt, _ = serve_reference(tiny_model, "--threads", "1", max_model_len=2048, port=eport)
+        asker.join(60)
+        assert got and got[0][0] == 200, got
+        strip = lambda b: [c["text"] for c in json.loads(b)["choices"]]  # noqa: E731
+        assert strip(got[0][1]) == strip(want[1])
+        assert json.loads(got[0][1])["choices"][0]["logprobs"] == json.loads(want[1])["choices"][0]["logprobs"]
+        # streamed: its first chunk read, the engine SIGKILLed
+        import http.client as httplib
+        conn = httplib.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({**body, "max_tokens": 1500, "stream": True,
+                                                            "ignore_eos": True}), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200 and r.readline().startswith(b"data: {")
+        os.kill(nxt.pid, signal.SIGSTOP)
+        nxt.kill()
+        nxt.wait(10)
+        rest = r.read().decode()  # whole: no reset
+        events = [line[6:] for line in rest.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "could not be continued" in events[-2], events[-3:]
+        status = json.loads(http(f"http://127.0.0.1:{port}/front/status")[1])
+        assert status["retried_whole"] >= 1 and status["lost"] == 1, status
+    finally:
+        for proc in (engine, nxt, front):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(10)

@@ -41,7 +41,7 @@ class Front:
         front that died as lost with it."""
         self.upstream, self.wait_s, self.max_in_flight, self.say = upstream.rstrip("/"), wait_s, max_in_flight, say
         self.counts = {"requests": 0, "journalled": 0, "resumed": 0, "continuations": 0, "lost": 0, "refused": 0,
-                       "waited_out": 0, "lost_with_front": 0, "regenerated_held_back": 0}
+                       "waited_out": 0, "lost_with_front": 0, "regenerated_held_back": 0, "retried_whole": 0}
         self.in_flight = 0  # journalled requests the front holds (waiting for an engine, or answered by one)
         self.passing = 0  # requests passed through as they are, in flight
         self.counts_file = counts_file
@@ -137,7 +137,7 @@ class Front:
         except ValueError:
             return _error(400, "the request body is not JSON", "invalid_request_error")
         if not journalled(body):
-            return await self.passthrough(request, raw)
+            return await self.passthrough(request, raw, isinstance(body, dict) and bool(body.get("stream")))
         if self.in_flight >= self.max_in_flight:
             self.counts["refused"] += 1
             return _error(503, f"the front holds {self.in_flight} requests already (its limit)", "unavailable",
@@ -256,31 +256,48 @@ class Front:
                     flight.ended = finish is not None
         return flight.stop_reason is not None
 
-    async def passthrough(self, request: web.Request, raw: bytes) -> web.StreamResponse:
-        """A request the front cannot continue: forwarded as it is, streamed back as it comes."""
+    async def passthrough(self, request: web.Request, raw: bytes, stream: bool) -> web.StreamResponse:
+        """A request the front cannot continue (n > 1, logprobs, echo, tools...): forwarded as it is.  Not streamed:
+        its answer read whole, then passed on, so an engine that dies before the end costs the client nothing: the
+        request is sent again, whole, to the engine that serves next (as is a stream no byte of which reached the
+        client).  A stream cut after its first bytes ends with an error event, never a reset."""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        deadline, out = time.monotonic() + self.wait_s, None
         self.passing += 1
         try:
-            async with self.session.post(self.upstream + request.path, data=raw, headers=headers,
-                                         timeout=aiohttp.ClientTimeout(total=None, sock_read=None)) as r:
-                out = web.StreamResponse(status=r.status, headers={
-                    "Content-Type": r.headers.get("Content-Type", "application/json")})
-                await out.prepare(request)
-                async for data in r.content.iter_any():
-                    await out.write(data)
-                await out.write_eof()
-                return out
-        except (aiohttp.ClientError, ConnectionError) as e:
-            self.counts["lost"] += 1
-            self.say(f"front: a request it cannot continue (n > 1, logprobs or echo) was lost with its engine: {e}")
-            raise
+            while True:
+                try:
+                    async with self.session.post(self.upstream + request.path, data=raw, headers=headers,
+                                                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)) as r:
+                        kind = r.headers.get("Content-Type", "application/json")
+                        if r.status == 503:  # no engine ready yet (loading, asleep): wait for one
+                            raise EngineDied(f"the engine answered 503: {(await r.read())[:200]!r}")
+                        if not stream or r.status != 200:
+                            data = await r.read()
+                            if out is not None:  # answered again after a stream that had begun
+                                raise EngineDied(f"the engine answered {r.status} to the request sent again")
+                            return web.Response(status=r.status, body=data, headers={"Content-Type": kind})
+                        out = web.StreamResponse(status=r.status, headers={"Content-Type": kind})
+                        await out.prepare(request)
+                        async for data in r.content.iter_any():
+                            await _to_client(out, data)
+                        await out.write_eof()
+                        return out
+                except (EngineDied, aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+                    if out is not None:  # the client has part of a stream: it is told, and the request counted lost
+                        return await self._lost(out, None, f"it cannot be continued (n > 1, logprobs, echo or "
+                                                           f"tools), and part of its stream had been sent ({e})")
+                    if time.monotonic() >= deadline:
+                        return self._waited_out(e)
+                    self.counts["retried_whole"] += 1
+                    await asyncio.sleep(RETRY_PAUSE_S)
         finally:
             self.passing -= 1
 
     # ---- what is lost, and counted -----------------------------------------------------------
-    async def _lost(self, client, flight: Flight, why: str):
+    async def _lost(self, client, flight: Flight | None, why: str):
         self.counts["lost"] += 1
-        self.say(f"front: a request was lost after {len(flight.ids)} tokens: {why}")
+        self.say(f"front: a request was lost after {len(flight.ids) if flight else 'some'} tokens: {why}")
         message = f"the engine serving this request died and the request could not be continued: {why}"
         if client is None:
             return _error(503, message, "unavailable", retry_after=self.wait_s)
@@ -298,6 +315,8 @@ class Front:
                           ("lost", "requests lost with their engine (not continued)"),
                           ("journalled", "requests the front could continue"),
                           ("waited_out", "requests answered 503 after waiting for an engine"),
+                          ("retried_whole", "requests the front cannot continue sent again whole after their engine "
+                                            "died before any of the answer reached the client"),
                           ("lost_with_front", "requests in flight on a front that died (counted by the next one)")):
             name = f"restartkit_front_requests_{key}_total"
             lines += [f"# HELP {name} {what}", f"# TYPE {name} counter", f"{name} {self.counts[key]}"]

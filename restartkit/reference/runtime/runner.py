@@ -7,6 +7,7 @@ CUDA-graph capture) so a restart's time can be taken apart afterwards.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ class EngineNotReady(RuntimeError):
 
 # what rank 0 tells the other ranks to run (tensor parallel)
 CMD_EXIT, CMD_PREFILL, CMD_DROP_KV, CMD_RESTORE_KV, CMD_DECODE, CMD_SPECULATE, CMD_MIXED, CMD_TABLE = range(8)
+MIXED_GRAPHS_ENV = "RESTARTKIT_MIXED_GRAPHS"  # "1": mixed steps as graphs between their chunks' attention
 GRAPH_RESERVE = 1 << 30  # a GPU's memory left out of gpu_memory_utilization's KV cache: graphs, activations
 
 
@@ -299,7 +301,8 @@ class ModelRunner:
 
     def capture_decode_graph(self) -> None:
         self._graphs = DecodeGraphs(self.model, self.device)
-        self._pieces = MixedGraphs(self.model, self.device)  # nothing captured yet: each step size when first run
+        if os.environ.get(MIXED_GRAPHS_ENV, "0") == "1":  # not yet run on a GPU: asked for (docs/reference-engine.md)
+            self._pieces = MixedGraphs(self.model, self.device)  # nothing captured yet: each step size when first run
 
     def drop_graph(self) -> None:
         self._graphs = self._pieces = None
