@@ -25,6 +25,8 @@ mixed step).  On the CPU the same pieces run without graphs (tests/reference/tes
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from restartkit.reference.model import kernels, paged
@@ -33,6 +35,12 @@ from restartkit.reference.runtime.graphs import graph_sizes
 
 CHUNK_SIZES = (*range(64, 513, 64), 768, 1024, 1536, 2048)  # a step's chunk rows, padded up to one of these
 MAX_CHUNKS = 8  # prompt chunks a graphed step takes
+ENV = "RESTARTKIT_MIXED_GRAPHS"  # "1": on (they have not run on a GPU yet: off by default)
+
+
+def mixed_graphs(model, dev: torch.device) -> "MixedGraphs | None":
+    """A GPU engine's mixed-step pieces, where ENV asks for them."""
+    return MixedGraphs(model, dev) if os.environ.get(ENV, "0") == "1" else None
 
 
 class MixedGraphs:

@@ -7,7 +7,6 @@ CUDA-graph capture) so a restart's time can be taken apart afterwards.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,7 +18,8 @@ from restartkit.reference.model.checkpoint import DTYPES
 from restartkit.reference.model.llama import LlamaForCausalLM, ModelConfig, Parallel, UnsupportedConfig, check_parallel
 from restartkit.reference.model.weights import build_model, processed_weights, set_tensor
 from restartkit.reference.runtime.graphs import DecodeGraphs, Launch
-from restartkit.reference.runtime.piecewise import MixedGraphs
+from restartkit.reference.runtime.memory import device_memory, trim_heap
+from restartkit.reference.runtime.piecewise import MixedGraphs, mixed_graphs
 
 
 @dataclass
@@ -46,7 +46,6 @@ class EngineNotReady(RuntimeError):
 
 # what rank 0 tells the other ranks to run (tensor parallel)
 CMD_EXIT, CMD_PREFILL, CMD_DROP_KV, CMD_RESTORE_KV, CMD_DECODE, CMD_SPECULATE, CMD_MIXED, CMD_TABLE = range(8)
-MIXED_GRAPHS_ENV = "RESTARTKIT_MIXED_GRAPHS"  # "1": mixed steps as graphs between their chunks' attention
 GRAPH_RESERVE = 1 << 30  # a GPU's memory left out of gpu_memory_utilization's KV cache: graphs, activations
 
 
@@ -301,8 +300,7 @@ class ModelRunner:
 
     def capture_decode_graph(self) -> None:
         self._graphs = DecodeGraphs(self.model, self.device)
-        if os.environ.get(MIXED_GRAPHS_ENV, "0") == "1":  # not yet run on a GPU: asked for (docs/reference-engine.md)
-            self._pieces = MixedGraphs(self.model, self.device)  # nothing captured yet: each step size when first run
+        self._pieces = mixed_graphs(self.model, self.device)  # nothing captured yet: each step size when first run
 
     def drop_graph(self) -> None:
         self._graphs = self._pieces = None
@@ -337,14 +335,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def mixed(self, segments: list[tuple[int, int, list[int]]]) -> torch.Tensor:
-        """Running sequences' next tokens and prompts' chunks in one forward pass: segments (slot, first position,
-        tokens) in row order; with decode graphs, as graphs between the chunks' attention where the step's size
-        allows (restartkit.reference.runtime.piecewise), else eagerly.  The logits of each segment's last token
-        [S, vocab], on the device in the model's dtype (good until the next step)."""
-        if self.leads:
-            self._broadcast(CMD_MIXED, [len(segments)], [*(s for s, _, _ in segments), *(p for _, p, _ in segments),
-                                                          *(len(t) for _, _, t in segments),
-                                                          *(x for _, _, t in segments for x in t)])
+        """Decode rows and prompt chunks in one forward pass (segments: slot, first position, tokens), as graph pieces
+        where they are (runtime.piecewise), else eagerly: each segment's last logits [S, vocab], until the next step."""
+        if self.leads:  # slots, first positions, lengths, then every token
+            slots, starts, toks = zip(*segments)
+            self._broadcast(CMD_MIXED, [len(segments)],
+                            [*slots, *starts, *map(len, toks), *(x for t in toks for x in t)])
         if self._pieces is not None and (logits := self._pieces.run(segments)) is not None:
             return logits
         tokens = torch.tensor([x for _, _, t in segments for x in t], device=self.device)
@@ -414,7 +410,7 @@ class ModelRunner:
         if self.options.tp_size > 1:
             self._broadcast(CMD_DROP_KV)
         freed = self._drop_kv_locked()
-        _trim_heap()
+        trim_heap()
         return freed
 
     def _drop_kv_locked(self) -> int:
@@ -463,7 +459,7 @@ class ModelRunner:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             torch.cuda.ipc_collect()  # the CUDA IPC handle: closed once no storage holds it
-        _trim_heap()  # freed host memory back to the kernel: CRIU dumps every page still mapped
+        trim_heap()  # freed host memory back to the kernel: CRIU dumps every page still mapped
         return {"weights_released_bytes": nbytes, "kv_cache_freed_bytes": freed_kv}
 
     def reattach_weights(self, fallback: bool = False) -> dict:
@@ -481,27 +477,4 @@ class ModelRunner:
         if self.model is None:
             return 0
         return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.device.type != "meta")
-
-
-def device_memory(device: torch.device) -> int:
-    """All of the device's memory in bytes (the host's on the CPU); 0 where unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[1]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-def _trim_heap() -> None:
-    """glibc's malloc_trim: free heap pages returned to the kernel (elsewhere: nothing)."""
-    import ctypes
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
