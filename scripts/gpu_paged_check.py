@@ -70,8 +70,9 @@ def check(model, device: str, answer: int, dtype: str | None) -> list[tuple[str,
             print(f"  {name}, budget {budget}: {same}/{len(ps)} equal alone (others differ from token {first}), "
                   f"{time.perf_counter() - t0:.1f} s, counts {counts}, mixed steps in graphs {pieces}", flush=True)
             if pieces is not None and counts["mixed"]:
-                verdicts.append((f"{name}, budget {budget}: mixed steps captured and replayed as graphs",
-                                 pieces["graphed"] > 0 and not pieces["capture_failed"]))
+                verdicts.append((f"{name}, budget {budget}: mixed steps through graph pieces (each size captured at "
+                                 "its first step, replayed after)",
+                                 pieces["graphed"] + pieces["captured"] > 0 and not pieces["capture_failed"]))
             verdicts.append((f"{name}, budget {budget}: every answer = alone "
                              f"({counts.get('preempted', 0)} preempted)", same == len(ps)))
             verdicts.append((f"{name}, budget {budget}: every block free after", eng.free_blocks() == free))

@@ -124,6 +124,7 @@ def test_short_chunks_beside_running_streams_through_prefill_graphs_give_the_sam
     ps = prompts(8, LENGTHS)
     alone = [answers(tiny_engine, [p], 24, 4096)[0] for p in ps]
     monkeypatch.setattr(tiny_engine, "graphed_prefill", lambda tokens: tokens <= 128, raising=False)
+    monkeypatch.setattr(Scheduler, "short_chunks_as_prefills", True)  # off by default (see Scheduler.step)
     for budget in (8, 64, 512):
         seqs = [Sequence(list(p), Sampling(24, ignore_eos=True)) for p in ps]
         counts = run_together(tiny_engine, seqs, budget)

@@ -57,6 +57,8 @@ class EngineGone(RuntimeError):
 
 
 class Scheduler:
+    short_chunks_as_prefills = False  # see step(): off until it keeps greedy answers equal on a GPU
+
     def __init__(self, runner, max_num_seqs: int, max_waiting: int, max_batched_tokens: int = MAX_BATCHED_TOKENS):
         self.runner = runner  # the model runner (restartkit.reference.runtime.runner) whose steps this runs
         self.max_num_seqs, self.max_waiting, self.max_batched_tokens = max_num_seqs, max_waiting, max_batched_tokens
@@ -232,9 +234,11 @@ class Scheduler:
             return
         if not decoding and len(chunks) == 1:
             self._prefill_chunk(*chunks[0])
-        elif 0 < len(chunks) <= 2 and all(self.runner.graphed_prefill(end - start) for _, start, end in chunks):
+        elif self.short_chunks_as_prefills and 0 < len(chunks) <= 2 and all(
+                self.runner.graphed_prefill(end - start) for _, start, end in chunks):
             # short prompts through their prefill graphs, then the decode graph: on an H200 at 8B shapes an eager
-            # mixed step takes about 19 ms of host time, more than three graphs' replays (docs/BENCHMARKS.md)
+            # mixed step takes about 19 ms of host time, more than three graphs' replays (docs/BENCHMARKS.md).  Off:
+            # on an H100 in float32 it made greedy answers differ from their answers alone (gpu_paged_check)
             for chunk in chunks:
                 self._prefill_chunk(*chunk)
             if live := [s for s in decoding if s in self.running]:  # two prompts and no stream: no decode step
