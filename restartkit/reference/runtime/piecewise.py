@@ -35,7 +35,7 @@ from restartkit.reference.runtime.graphs import graph_sizes
 
 CHUNK_SIZES = (*range(64, 513, 64), 768, 1024, 1536, 2048)  # a step's chunk rows, padded up to one of these
 MAX_CHUNKS = 8  # prompt chunks a graphed step takes
-ENV = "RESTARTKIT_MIXED_GRAPHS"  # "1": on (they have not run on a GPU yet: off by default)
+ENV = "RESTARTKIT_MIXED_GRAPHS"  # "1": on (right on an H100 in float32; off until their speed is measured)
 
 
 def mixed_graphs(model, dev: torch.device) -> "MixedGraphs | None":
