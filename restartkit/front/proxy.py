@@ -274,8 +274,6 @@ class Front:
                             raise EngineDied(f"the engine answered 503: {(await r.read())[:200]!r}")
                         if not stream or r.status != 200:
                             data = await r.read()
-                            if out is not None:  # answered again after a stream that had begun
-                                raise EngineDied(f"the engine answered {r.status} to the request sent again")
                             return web.Response(status=r.status, body=data, headers={"Content-Type": kind})
                         out = web.StreamResponse(status=r.status, headers={"Content-Type": kind})
                         await out.prepare(request)

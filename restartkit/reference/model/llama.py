@@ -146,16 +146,23 @@ class Attention(nn.Module):
         cache_v [n_kv, blocks, BLOCK, hd] by the block table (paged.Table); in_place: rows are the first B slots,
         each in its home blocks (read in place), else their keys are gathered; tables: the rotary (cos, sin); mask:
         as `attend` takes it."""
-        B, hd, n_kv = x.shape[0], self.head_dim, self.n_kv
+        B, hd = x.shape[0], self.head_dim
         q, k, v = self.qkv(x)
         q = kernels.rope_write_kv(q, k, v, *tables, positions, rows, cache_k, cache_v, table.device)
-        out = kernels.attend_decode(q, cache_k, cache_v, positions, rows, table.device)
-        if out is None:
-            span = mask.shape[-1]  # the keys attended to: every position, or those up to the batch's last
-            keys = paged.row_keys(cache_k, table, rows, span, in_place)
-            values = paged.row_keys(cache_v, table, rows, span, in_place)
-            out = attend(q.view(B, n_kv, self.n_heads // n_kv, hd), keys, values, mask)  # [B, n_kv, group, hd]
+        out = self.attend_rows(q, positions, rows, in_place, cache_k, cache_v, table, mask)
         return self.par.reduce(self.o_proj(out.reshape(B, self.n_heads * hd)))
+
+    def attend_rows(self, q, positions, rows, in_place, cache_k, cache_v, table, mask):
+        """Each decode row's attention over its slot's keys up to its position, q [B, heads, hd]: the decode kernel
+        on a GPU, else matrix products over the keys `mask` spans (as `attend` takes it).  [B, heads, hd]."""
+        B, hd, n_kv = q.shape[0], self.head_dim, self.n_kv
+        out = kernels.attend_decode(q, cache_k, cache_v, positions, rows, table.device)
+        if out is not None:
+            return out
+        span = mask.shape[-1]  # the keys attended to: every position, or those up to the batch's last
+        keys = paged.row_keys(cache_k, table, rows, span, in_place)
+        values = paged.row_keys(cache_v, table, rows, span, in_place)
+        return attend(q.view(B, n_kv, self.n_heads // n_kv, hd), keys, values, mask).reshape(B, self.n_heads, hd)
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, heads, hd], k and v [T, kv_heads, hd] of x [T, hidden]: views of one matrix product."""
@@ -204,20 +211,15 @@ class Attention(nn.Module):
         and one for the output, every row's key and value written before any row attends; the decode rows'
         attention in one call (a GPU's decode kernel, else matrix products over their gathered slots), each
         chunk's over its own slot."""
-        T, hd, n_kv = x.shape[0], self.head_dim, self.n_kv
+        T, hd = x.shape[0], self.head_dim
         q, k, v = self.qkv(x)
         q = kernels.rope_write_kv(q, k, v, *tables, step.positions, step.rows, cache_k, cache_v, table.device)
         out = torch.empty_like(q)
         if step.singles is not None:
             idx, pos, rows = step.singles
             qs = q.index_select(0, idx)
-            got = kernels.attend_decode(qs, cache_k, cache_v, pos, rows, table.device)
-            if got is None:
-                span = step.single_mask.shape[-1]
-                keys = paged.row_keys(cache_k, table, rows, span, step.in_place)
-                values = paged.row_keys(cache_v, table, rows, span, step.in_place)
-                got = attend(qs.view(-1, n_kv, self.n_heads // n_kv, hd), keys, values, step.single_mask)
-            out.index_copy_(0, idx, got.reshape(-1, self.n_heads, hd))
+            out.index_copy_(0, idx, self.attend_rows(qs, pos, rows, step.in_place, cache_k, cache_v, table,
+                                                     step.single_mask))
         for r0, n, slot, blocked in step.chunks:
             out[r0:r0 + n] = self.attend_segment(q[r0:r0 + n], cache_k, cache_v, table, slot, blocked)
         return self.par.reduce(self.o_proj(out.reshape(T, self.n_heads * hd)))

@@ -30,7 +30,6 @@ import os
 import torch
 
 from restartkit.reference.model import kernels, paged
-from restartkit.reference.model.llama import attend
 from restartkit.reference.runtime.graphs import graph_sizes
 
 CHUNK_SIZES = (*range(64, 513, 64), 768, 1024, 1536, 2048)  # a step's chunk rows, padded up to one of these
@@ -167,17 +166,11 @@ class MixedGraphs:
             self.out[:b].copy_(self._attend_decode(attn, q[:b], i, positions[:b], slots[:b]))
 
     def _attend_decode(self, attn, q, i, positions, slots):
-        """The decode rows' attention [b, heads, hd]: the decode kernel on a GPU, else matrix products over their
-        slots' keys up to the highest decode row's position."""
+        """The decode rows' attention [b, heads, hd] (Attention.attend_rows; the CPU's keys up to the highest decode
+        row's position)."""
         model = self.model
-        got = kernels.attend_decode(q, model.cache_k[i], model.cache_v[i], positions, slots, model.kv.device)
-        if got is not None:
-            return got
-        b, span, n_kv, hd = q.shape[0], self._decode_span, attn.n_kv, attn.head_dim
-        mask = model._key_pos[:span].unsqueeze(0) > positions.unsqueeze(1)
-        keys = paged.row_keys(model.cache_k[i], model.kv, slots, span, False)
-        values = paged.row_keys(model.cache_v[i], model.kv, slots, span, False)
-        return attend(q.view(b, n_kv, attn.n_heads // n_kv, hd), keys, values, mask).reshape(b, attn.n_heads, hd)
+        mask = None if q.is_cuda else model._key_pos[:self._decode_span].unsqueeze(0) > positions.unsqueeze(1)
+        return attn.attend_rows(q, positions, slots, False, model.cache_k[i], model.cache_v[i], model.kv, mask)
 
     def _attend_chunks(self, i: int, spans) -> None:
         """Layer i's attention of each chunk, eagerly, from the static queries into the static output."""
