@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 BLOCK = 64  # positions a KV-cache block holds (restartkit.reference.model.paged)
 NO_TRITON_ENV = "RESTARTKIT_NO_TRITON"  # set (to anything): the torch forms everywhere
+CHUNK_KERNEL_ENV = "RESTARTKIT_CHUNK_KERNEL"  # "0": prompt chunks by torch's attention, one by one (chunks_fused)
 
 
 @functools.lru_cache(maxsize=1)
@@ -52,6 +53,13 @@ def load_in_background() -> threading.Thread:
 def fused(x: torch.Tensor) -> bool:
     """Whether the Triton kernels run for tensors like x (on a GPU, with Triton installed)."""
     return x.is_cuda and _triton() is not None
+
+
+def chunks_fused(x: torch.Tensor) -> bool:
+    """Whether a step's prompt chunks attend in one launch (attend_chunks) for tensors like x: where the kernels
+    run, unless CHUNK_KERNEL_ENV is "0" (then each chunk by torch's attention, as before that kernel: on an H100 in
+    bf16 the kernel and torch's attention round a prompt's rows differently, docs/BENCHMARKS.md)."""
+    return fused(x) and os.environ.get(CHUNK_KERNEL_ENV, "1") != "0"
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
@@ -99,6 +107,26 @@ def attend_decode(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
     if not fused(q):
         return None
     return _triton().attend_decode(q, cache_k, cache_v, positions, rows, table)
+
+
+ATTEND_TILE = 16  # rows of a prompt chunk a program of attend_chunks takes
+
+
+def chunk_tiles(chunks, tile: int = ATTEND_TILE) -> list[tuple[int, int]]:
+    """The tiles attend_chunks takes for chunks (first row, rows) each: (first row, rows) of up to `tile` rows."""
+    return [(r0 + i, min(tile, n - i)) for r0, n in chunks for i in range(0, n, tile)]
+
+
+def attend_chunks(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,
+                  rows: torch.Tensor, table: torch.Tensor, tiles: torch.Tensor, out: torch.Tensor) -> bool:
+    """On a GPU with Triton: every prompt chunk of a step in one launch, into out [T, heads, hd]: row r of q
+    [T, heads, hd] (at positions[r] of slot rows[r], its key and value written) against its slot's keys up to its
+    position, for each row the tiles int64 [N, 2] (chunk_tiles) list; a row's result is the same in any tile, step
+    or batch.  False elsewhere (the caller attends chunk by chunk)."""
+    if not chunks_fused(q):
+        return False
+    _triton().attend_tiles(q, cache_k, cache_v, positions, rows, table, tiles, out, ATTEND_TILE)
+    return True
 
 
 class Linear(torch.nn.Linear):

@@ -220,8 +220,10 @@ class Attention(nn.Module):
             qs = q.index_select(0, idx)
             out.index_copy_(0, idx, self.attend_rows(qs, pos, rows, step.in_place, cache_k, cache_v, table,
                                                      step.single_mask))
-        for r0, n, slot, blocked in step.chunks:
-            out[r0:r0 + n] = self.attend_segment(q[r0:r0 + n], cache_k, cache_v, table, slot, blocked)
+        if step.chunks and not kernels.attend_chunks(q, cache_k, cache_v, step.positions, step.rows, table.device,
+                                                     step.tiles, out):
+            for r0, n, slot, blocked in step.chunks:
+                out[r0:r0 + n] = self.attend_segment(q[r0:r0 + n], cache_k, cache_v, table, slot, blocked)
         return self.par.reduce(self.o_proj(out.reshape(T, self.n_heads * hd)))
 
 
@@ -445,6 +447,7 @@ class MixedStep:
     singles: tuple | None
     single_mask: torch.Tensor | None
     chunks: list
+    tiles: torch.Tensor | None  # the chunks' rows as kernels.attend_chunks takes them (None: no chunk)
     last: torch.Tensor  # each segment's last row: whose logits come back
     in_place: bool = False  # the length-1 segments are in slots 0, 1, ... in row order, each in its home blocks
 
@@ -472,8 +475,10 @@ class MixedStep:
             mask = key_pos[:max(p for _, p, _ in singles) + 1].unsqueeze(0) > pos.unsqueeze(1)
         first = [slot for _, _, slot in singles] == list(range(len(singles)))
         first = first and bool(singles) and table.in_place(range(len(singles)))
-        return cls(pos_t, torch.tensor(rows, device=dev), single, mask, chunk_rows, torch.tensor(last, device=dev),
-                   first)
+        tiles = kernels.chunk_tiles([(r, n) for r, n, _, _ in chunks])
+        tiles = torch.tensor(tiles, dtype=torch.long, device=dev) if tiles else None
+        return cls(pos_t, torch.tensor(rows, device=dev), single, mask, chunk_rows, tiles,
+                   torch.tensor(last, device=dev), first)
 
 
 def init_std(cfg: ModelConfig, name: str) -> float:

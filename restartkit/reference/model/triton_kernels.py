@@ -225,3 +225,76 @@ def attend_decode(q, cache_k, cache_v, positions, rows, table):
     _attend_reduce[(B, n_heads)](acc, ml, positions, out, n_heads, n_kv, n_chunks, idle, GROUP=group, QB=qb, HD=hd,
                                  CHUNK=ATTEND_CHUNK, CB=16, num_warps=4)
     return out
+
+
+@triton.jit
+def _attend_tiles(q_ptr, ck_ptr, cv_ptr, pos_ptr, rows_ptr, table_ptr, tiles_ptr, out_ptr, n_kv, n_chunks, q_row,
+                  row_stride, head_stride, scale, GROUP: tl.constexpr, GP: tl.constexpr, TILE: tl.constexpr,
+                  HD: tl.constexpr, CHUNK: tl.constexpr, EXACT: tl.constexpr):
+    """One tile (tiles[t]: first row, rows; up to TILE consecutive rows of one slot at consecutive positions) and
+    one KV head: its query heads' attention over the slot's keys up to each row's position, block by block as the
+    table lists them, the blocks combined as they come (a running max and sum in float32).  The products as
+    _attend_chunk takes them (EXACT: float32 on the CUDA cores; else on the tensor cores, the softmax numerator
+    rounded to the activations' dtype for its product with v).  A tile of no rows does nothing."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    r0 = tl.load(tiles_ptr + 2 * t)
+    n = tl.load(tiles_ptr + 2 * t + 1)
+    if n > 0:
+        m = tl.arange(0, TILE * GP)  # (row in the tile, query head in the group)
+        g = m % GP
+        row = (r0 + m // GP).to(tl.int64)
+        live = (m // GP < n) & (g < GROUP)
+        d = tl.arange(0, HD)
+        pos = tl.load(pos_ptr + row, mask=live, other=0)
+        slot = tl.load(rows_ptr + r0)
+        last = tl.load(pos_ptr + r0 + n - 1)
+        q = tl.load(q_ptr + row[:, None] * q_row + (h * GROUP + g)[:, None] * HD + d[None, :], mask=live[:, None],
+                    other=0.0)
+        if EXACT:
+            q = q.to(tl.float32)
+        big = tl.full([TILE * GP], float("-inf"), tl.float32)
+        total = tl.zeros([TILE * GP], tl.float32)
+        acc = tl.zeros([TILE * GP, HD], tl.float32)
+        o = tl.arange(0, CHUNK)
+        for c in range(0, last // CHUNK + 1):
+            block = tl.load(table_ptr + slot * n_chunks + c).to(tl.int64)
+            base = (block // n_chunks) * row_stride + h * head_stride + (block % n_chunks) * CHUNK * HD
+            k = tl.load(ck_ptr + base + o[:, None] * HD + d[None, :])
+            v = tl.load(cv_ptr + base + o[:, None] * HD + d[None, :])
+            if EXACT:
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.where((c * CHUNK + o)[None, :] <= pos[:, None], s, float("-inf"))
+            new_big = tl.maximum(big, tl.max(s, axis=1))  # finite: every row sees key 0 in the first block
+            p = tl.exp(s - new_big[:, None])
+            rescale = tl.exp(big - new_big)
+            total = total * rescale + tl.sum(p, axis=1)
+            if EXACT:
+                acc = acc * rescale[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+            big = new_big
+        out = acc / total[:, None]
+        tl.store(out_ptr + row[:, None] * q_row + (h * GROUP + g)[:, None] * HD + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
+def attend_tiles(q, cache_k, cache_v, positions, rows, table, tiles, out, tile):
+    """Prompt chunks' rows of q [T, heads, hd] (each row at positions[r] of slot rows[r]; its key and value written)
+    against their slots' keys up to each row's position in cache_k, cache_v (as attend_decode reads them), into
+    out [T, heads, hd]: one launch for every chunk of a step.  tiles int64 [N, 2]: (first row, rows) of up to
+    `tile` consecutive rows of one slot at consecutive positions (kernels.chunk_tiles); rows no tile lists are left
+    as they are; a tile of 0 rows does nothing (a graph's spare tiles).  Each row's result is the same whichever
+    tile, step or batch it comes in: its keys are taken block by block in position order."""
+    n_heads, hd = q.shape[1], q.shape[2]
+    n_kv, n_chunks = cache_k.shape[1], table.shape[1]
+    assert q.is_contiguous() and out.is_contiguous() and out.stride() == q.stride()
+    assert cache_k.is_contiguous() and cache_v.stride() == cache_k.stride() and table.is_contiguous()
+    group = n_heads // n_kv
+    _attend_tiles[(tiles.shape[0], n_kv)](q, cache_k, cache_v, positions, rows, table, tiles, out, n_kv, n_chunks,
+                                          q.stride(0), cache_k.stride(0), cache_k.stride(1), hd ** -0.5, GROUP=group,
+                                          GP=triton.next_power_of_2(group), TILE=tile, HD=hd,
+                                          CHUNK=ATTEND_CHUNK, EXACT=q.dtype == torch.float32, num_warps=4)
+    return out

@@ -67,10 +67,10 @@ def _bounds(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=_share, default=0.0,
                    help="a GPU: the share of its memory the engine may hold; the KV cache is what the weights and "
                         "1 GiB for graphs leave of it (as --kv-cache-memory)")
-    p.add_argument("--max-num-batched-tokens", type=_positive, default=512,
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=None,
                    help="tokens one step runs: a decode row per running sequence and, in the same forward pass, "
                         "chunks of joining prompts up to it (a running stream waits one such step at most while a "
-                        "long prompt joins); at least --max-num-seqs")
+                        "long prompt joins); at least --max-num-seqs (default 2048 on a GPU, 512 on the CPU)")
     p.add_argument("--max-queued-seqs", type=_positive, default=256,
                    help="sequences waiting for a slot; a request that would queue more gets a 503 with Retry-After")
     p.add_argument("--max-connections", type=_positive, default=1024,
@@ -128,6 +128,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What no single flag's type says: combinations, and the IPC config's JSON."""
+    if args.max_num_batched_tokens is None:  # on an H100 at 8B shapes and 64 clients 2048 gave 2,425 out tok/s
+        # and 512 2,220 (docs/BENCHMARKS.md); on the CPU a step of 2048 prompt tokens stalls the running streams
+        args.max_num_batched_tokens = 2048 if args.device.startswith("cuda") else 512
     if args.max_num_seqs is None:
         budget = args.kv_cache_memory or (args.gpu_memory_utilization and args.device.startswith("cuda"))
         args.max_num_seqs = (256 if args.device.startswith("cuda") else 64) if budget else 8
