@@ -14,9 +14,10 @@ connections, HTTP 5xx, requests lost and how many of them were in flight at a ki
 kill -> first answer under load, and the clients' p50/p99 before the first kill and after the last,
 with a verdict table.  Works on the CPU too (`--device cpu --preset small`).
 
---front: supervise keeps the front ([front] port = --port + 1) and the clients go through it; a request in flight
-at a kill is continued on the standby (restartkit.front), so none may be lost.  Before the kills, the same load
-runs 10 s straight at the engine and 10 s through the front: the front's cost on the clients' p50 and p99.
+--front: supervise keeps the front on --port, the engines behind it on --port + 1 ([front] engine_port), and the
+clients go through it; a request in flight at a kill is continued on the standby (restartkit.front), so none may be
+lost.  Before the kills, the same load runs 10 s straight at the engine and 10 s through the front: the front's
+cost on the clients' p50 and p99.  Without --front, [front] enabled = false: the engines take --port themselves.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ socket_dir = "{work / 'sockets'}"
 health_interval_s = 1
 [standby]
 enabled = true
-""" + (f"[front]\nport = {port + 1}\n" if front else ""))
+""" + (f"[front]\nengine_port = {port + 1}\n" if front else "[front]\nenabled = false\n"))
     return pol
 
 
@@ -72,12 +73,12 @@ def run(pol: Path, port: int, kills: int, clients: int, before_s: float, after_s
     sup = subprocess.Popen([*RK, "supervise", "--policy", str(pol)], stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, cwd=ROOT, start_new_session=True)
     try:
-        while not answers(port):
+        while not answers(port + 1 if front else port):  # the engine (behind the front, if any)
             time.sleep(0.2)
         ask("restart", "--policy", pol, "--strategy", "ipc", "--wait", "120", check=True)  # onto the cache
         standby_prepared(pol)
         overhead = front_overhead(port, clients, max_tokens) if front else None
-        load = ClientLoad("127.0.0.1", port + 1 if front else port, None, clients=clients, max_tokens=max_tokens).start()
+        load = ClientLoad("127.0.0.1", port, None, clients=clients, max_tokens=max_tokens).start()
         kill_times, seen, served_by, kill_records = [], set(), [], []
         try:
             time.sleep(before_s)
@@ -131,7 +132,7 @@ def run(pol: Path, port: int, kills: int, clients: int, before_s: float, after_s
 def front_overhead(port: int, clients: int, max_tokens: int, seconds: float = 10.0) -> dict:
     """The same load 10 s straight at the engine, then 10 s through the front: each one's p50 and p99."""
     out = {}
-    for name, at in (("direct", port), ("front", port + 1)):
+    for name, at in (("direct", port + 1), ("front", port)):  # the engine behind the front, the front
         load = ClientLoad("127.0.0.1", at, None, clients=clients, max_tokens=max_tokens).start()
         time.sleep(seconds)
         load.stop()
@@ -162,7 +163,7 @@ def main() -> int:
     p.add_argument("--port", type=int, default=8781)
     p.add_argument("--model", help="an existing checkpoint (default: WORK/PRESET, created when missing)")
     p.add_argument("--remove-model", action="store_true")
-    p.add_argument("--front", action="store_true", help="the clients through supervise's front (port + 1)")
+    p.add_argument("--front", action="store_true", help="the clients through supervise's front (the engines on port + 1)")
     p.add_argument("--max-tokens", type=int, default=4)
     a = p.parse_args()
     work = Path(a.work)
