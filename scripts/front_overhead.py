@@ -9,7 +9,8 @@ One reference engine (--max-num-seqs = --clients) and one front before it.  Alte
 front, --rounds times each (so that drift of the machine falls on both):
   - a 1-token greedy completion's latency, p50 of 200, one client, a new connection each;
   - output tokens/s of --clients streaming clients (asyncio, aiohttp), each asking --tokens-token greedy
-    completions in a loop, counted by the token ids the chunks carry, over --seconds.
+    completions in a loop, counted by the token ids the chunks carry, over --seconds;
+  - the CPU time the front and the engine spent per streamed token (their /proc stat, over the same seconds).
 Prints a verdict table with the issue's targets: p50 + at most 1 ms, tokens/s at most 5 % lower.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -42,7 +44,15 @@ def one_token_p50(port: int, n: int = 200) -> float:
     return statistics.median(times)
 
 
-async def _stream_clients(port: int, clients: int, tokens: int, seconds: float) -> tuple[float, int]:
+def cpu_s(pid: int) -> float:
+    """The CPU seconds (user and system) process pid has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _stream_clients(port: int, clients: int, tokens: int, seconds: float,
+                          pids: tuple[int, ...] = ()) -> tuple[float, int, list[float]]:
+    """(output tokens/s, client errors, the CPU microseconds each of pids spent per token) over `seconds`."""
     import aiohttp
     counted, errors, stop = [0], [0], asyncio.Event()
     body = {"prompt": "Once upon a time", "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
@@ -63,12 +73,14 @@ async def _stream_clients(port: int, clients: int, tokens: int, seconds: float) 
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         tasks = [asyncio.create_task(client(session)) for _ in range(clients)]
         await asyncio.sleep(min(3.0, seconds / 4))  # every client streaming
-        first, t0 = counted[0], time.perf_counter()
+        first, t0, cpu0 = counted[0], time.perf_counter(), [cpu_s(pid) for pid in pids]
         await asyncio.sleep(seconds)
-        rate = (counted[0] - first) / (time.perf_counter() - t0)
+        got = counted[0] - first
+        rate = got / (time.perf_counter() - t0)
+        per_token = [(cpu_s(pid) - c) / max(got, 1) * 1e6 for pid, c in zip(pids, cpu0)]
         stop.set()
         await asyncio.gather(*tasks)
-    return rate, errors[0]
+    return rate, errors[0], per_token
 
 
 def main() -> int:
@@ -90,21 +102,26 @@ def main() -> int:
                           eport, work / "engine.log", env=None if gpu else {"OMP_NUM_THREADS": "1"})
     front = start_server([sys.executable, "-m", "restartkit.front", "--listen", f"127.0.0.1:{fport}", "--upstream",
                           f"http://127.0.0.1:{eport}"], fport, work / "front.log")
-    got = {"direct": {"p50_s": [], "tok_s": [], "errors": 0}, "front": {"p50_s": [], "tok_s": [], "errors": 0}}
+    got = {n: {"p50_s": [], "tok_s": [], "errors": 0, "engine_cpu_us_per_token": [], "front_cpu_us_per_token": []}
+           for n in ("direct", "front")}
     try:
         one_token_p50(eport, 20), one_token_p50(fport, 20)  # warm
         for _ in range(a.rounds):
             for name, port in (("direct", eport), ("front", fport)):
                 got[name]["p50_s"].append(one_token_p50(port))
-                rate, errors = asyncio.run(_stream_clients(port, a.clients, a.tokens, a.seconds))
+                rate, errors, (engine_us, front_us) = asyncio.run(_stream_clients(
+                    port, a.clients, a.tokens, a.seconds, (engine.pid, front.pid)))
                 got[name]["tok_s"].append(rate)
                 got[name]["errors"] += errors
+                got[name]["engine_cpu_us_per_token"].append(round(engine_us, 1))
+                got[name]["front_cpu_us_per_token"].append(round(front_us, 1))
                 print(f"{name}: 1-token p50 {got[name]['p50_s'][-1] * 1000:.2f} ms, {a.clients} streams "
-                      f"{rate:.0f} tok/s, {errors} errors", flush=True)
+                      f"{rate:.0f} tok/s, {errors} errors; CPU per token: engine {engine_us:.0f} us, front "
+                      f"{front_us:.0f} us", flush=True)
     finally:
         for proc in (front, engine):
             stop_server(proc)
-    d, f = ({k: statistics.mean(v) for k, v in got[n].items() if k != "errors"} for n in ("direct", "front"))
+    d, f = ({k: statistics.mean(v) for k, v in got[n].items() if k in ("p50_s", "tok_s")} for n in ("direct", "front"))
     added_ms, lower = (f["p50_s"] - d["p50_s"]) * 1000, 1 - f["tok_s"] / d["tok_s"]
     print(json.dumps({"device": a.device, "preset": preset, "clients": a.clients, "tokens": a.tokens, **got,
                       "p50_added_ms": round(added_ms, 3), "tok_s_lower": round(lower, 4)}, indent=1))
