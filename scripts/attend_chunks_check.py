@@ -20,6 +20,8 @@ import sys
 
 import torch
 
+from benchlib import verdict_table
+
 
 def reference(q, ck, cv, table, slot: int, pos: int) -> torch.Tensor:
     """Row q [heads, hd] at `pos` of `slot`, in float64 over keys 0..pos: [heads, hd]."""
@@ -102,10 +104,7 @@ def main() -> int:
     for dtype in (getattr(torch, d) for d in dtypes.split(",")):
         for heads, kv, hd in ((32, 8, 128), (4, 2, 16)):
             verdicts += case(torch.device(a.device), dtype, heads, kv, hd, seed=len(verdicts))
-    print("| check | result |\n| --- | --- |")
-    for text, ok in verdicts:
-        print(f"| {text} | {'yes' if ok else '**NO**'} |")
-    return 0 if all(ok for _, ok in verdicts) else 1
+    return verdict_table(verdicts)
 
 
 if __name__ == "__main__":

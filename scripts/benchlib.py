@@ -209,6 +209,14 @@ def print_verdicts(verdicts: list[tuple[str, bool]]) -> int:
     return 0 if all(ok for _, ok in verdicts) else 1
 
 
+def verdict_table(verdicts: list[tuple[str, bool]]) -> int:
+    """The verdicts as a markdown table (for docs/BENCHMARKS.md as they are); the exit code (0: every one yes)."""
+    print("| check | verdict |\n| --- | --- |")
+    for what, ok in verdicts:
+        print(f"| {what} | {'yes' if ok else '**NO**'} |")
+    return 0 if all(ok for _, ok in verdicts) else 1
+
+
 def timed(fn, sync, n: int = 50) -> float:
     for _ in range(5):
         fn()

@@ -22,7 +22,7 @@ import random
 import sys
 import time
 
-from benchlib import reference_model
+from benchlib import reference_model, verdict_table
 
 
 def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -95,10 +95,7 @@ def main() -> int:
         model, _ = reference_model(a.work, a.device, preset)
         print(f"{item}:", flush=True)
         verdicts += [(f"{item}: {text}", ok) for text, ok in check(model, a.device, a.answer, dtype or None)]
-    print("| check | verdict |\n| --- | --- |")
-    for text, ok in verdicts:
-        print(f"| {text} | {'yes' if ok else 'NO'} |")
-    return 0 if all(ok for _, ok in verdicts) else 1
+    return verdict_table(verdicts)
 
 
 if __name__ == "__main__":
