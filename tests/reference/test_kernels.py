@@ -35,10 +35,12 @@ def test_each_triton_kernel_computes_its_torch_form():
 def test_mixed_steps_with_the_gpus_kernels_give_each_prompt_its_answer_alone(tmp_path):
     """A mixed step (decode rows and prompt chunks in one forward pass) through the kernels a GPU runs: the rotary
     and KV-cache write over rows of several slots, the decode kernel over the decode rows gathered, every chunk's
-    attention in one launch (kernels.attend_chunks)."""
+    attention in one launch (kernels.attend_chunks); and each prompt prefilled alone through that launch too."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "fixtures" / "triton_mixed_check.py"), str(tmp_path / "m")],
                        capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["triton_calls"] > 0 and got["chunk_launches"] > 0 and got["mixed_triton"] == got["alone"], got
+    # a prompt prefilled alone attends by the same one-launch kernel as a chunk (one path for every prompt row)
+    assert got["alone_chunk_launches"] > 0 and got["alone_triton"] == got["alone"], got

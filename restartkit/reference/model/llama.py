@@ -170,13 +170,16 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
         return q.view(T, self.n_heads, hd), k.view(T, self.n_kv, hd), v.view(T, self.n_kv, hd)
 
-    def forward(self, x, tables, positions, rows, slot, cache_k, cache_v, table, blocked):
+    def forward(self, x, tables, positions, rows, slot, cache_k, cache_v, table, blocked, tiles=None):
         """One sequence's T tokens in slot `slot` (rows: that slot, T times) of cache_k, cache_v [n_kv, blocks,
         BLOCK, hd] by the block table; tables: the rotary (cos, sin); blocked: [T, span], True where query t may
-        not see key j."""
+        not see key j; tiles: the T rows as kernels.attend_chunks takes them (a GPU's, so that these rows attend as
+        a mixed step's chunk does), or None."""
         q, k, v = self.qkv(x)
         q = kernels.rope_write_kv(q, k, v, *tables, positions, rows, cache_k, cache_v, table.device)
-        out = self.attend_segment(q, cache_k, cache_v, table, slot, blocked)
+        out = torch.empty_like(q) if tiles is not None else None
+        if out is None or not kernels.attend_chunks(q, cache_k, cache_v, positions, rows, table.device, tiles, out):
+            out = self.attend_segment(q, cache_k, cache_v, table, slot, blocked)
         return self.par.reduce(self.o_proj(out.reshape(x.shape[0], self.n_heads * self.head_dim)))
 
     def attend_segment(self, q, cache_k, cache_v, table, slot, blocked):
@@ -291,11 +294,11 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, par)
 
-    def forward(self, x, delta, tables, positions, rows, slot, cache_k, cache_v, table, blocked):
+    def forward(self, x, delta, tables, positions, rows, slot, cache_k, cache_v, table, blocked, tiles=None):
         """This layer on one sequence's tokens, as `decode` takes the residual stream and delta."""
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         x, h = kernels.add_rms_norm(x, delta, norm1.weight, norm1.eps)
-        attn = self.self_attn(h, tables, positions, rows, slot, cache_k, cache_v, table, blocked)
+        attn = self.self_attn(h, tables, positions, rows, slot, cache_k, cache_v, table, blocked, tiles)
         x, h = kernels.add_rms_norm(x, attn, norm2.weight, norm2.eps)
         return x, self.feed_forward(h)
 
@@ -396,10 +399,15 @@ class LlamaForCausalLM(nn.Module):
         span = end if end is not None else int(positions[-1]) + 1
         blocked = self._key_pos[:span].unsqueeze(0) > positions.unsqueeze(1)
         rows = positions.new_full(positions.shape, slot)
+        # where a mixed step's chunks attend in one launch, these rows attend by the same kernel: a prompt's greedy
+        # tokens do not depend on whether it prefilled alone or beside running streams
+        tiles = None
+        if kernels.chunks_fused(tokens):
+            tiles = torch.tensor(kernels.chunk_tiles([(0, len(tokens))]), dtype=torch.long, device=tokens.device)
         x, delta = self.model.embed_tokens(tokens), None
         for i, layer in enumerate(self.model.layers):
             x, delta = layer(x, delta, (self._cos, self._sin), positions, rows, slot, self.cache_k[i],
-                             self.cache_v[i], self.kv, blocked)
+                             self.cache_v[i], self.kv, blocked, tiles)
         norm = self.model.norm
         return self.lm_head(kernels.add_rms_norm(x, delta, norm.weight, norm.eps)[1]).float()
 

@@ -73,7 +73,7 @@ class DecodeGraphs:
     (the scheduler runs a greedy step ahead before it has read the last one's token).  Host buffers alternate
     between two steps, so at most two steps are in flight."""
 
-    def __init__(self, model, dev: torch.device):
+    def __init__(self, model, dev: torch.device, prefills: bool = True):
         self.model, self.scratch = model, model.scratch
         self.sizes = graph_sizes(model.slots)
         self.inputs = torch.zeros((4, model.slots), dtype=torch.long, device=dev)  # tokens, positions, rows, chained
@@ -86,9 +86,10 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outs: dict[int, torch.Tensor] = {}
         # prefill graphs: a prompt's tokens as rows of one slot at consecutive positions, padded to the graph's
-        # size with rows at the spare position; the last token's logits only
-        self.prompt_sizes = prefill_sizes(model.max_len)
-        longest = self.prompt_sizes[-1]
+        # size with rows at the spare position; the last token's logits only (`prefills` False: none, the engine
+        # prefills as it runs a mixed step)
+        self.prompt_sizes = prefill_sizes(model.max_len) if prefills else []
+        longest = self.prompt_sizes[-1] if prefills else 1
         self.prompt = torch.zeros((4, longest), dtype=torch.long, device=dev)  # tokens, positions, rows, [the last]
         self.prompt[1].fill_(self.scratch)
         self.prompt_staging = torch.zeros((4, longest), dtype=torch.long).pin_memory()
@@ -155,7 +156,7 @@ class DecodeGraphs:
 
     def prefills(self, tokens: int) -> bool:
         """Whether a prefill graph takes a chunk of this many prompt tokens."""
-        return tokens <= self.prompt_sizes[-1]
+        return bool(self.prompt_sizes) and tokens <= self.prompt_sizes[-1]
 
     def prefill(self, slot: int, tokens: list[int], start: int) -> torch.Tensor:
         """Prompt tokens start.. of the sequence in `slot` into its KV cache: the last one's logits [1, vocab]

@@ -299,8 +299,19 @@ class ModelRunner:
         self.release(0)
 
     def capture_decode_graph(self) -> None:
-        self._graphs = DecodeGraphs(self.model, self.device)
-        self._pieces = mixed_graphs(self.model, self.device)  # nothing captured yet: each step size when first run
+        pieces = mixed_graphs(self.model, self.device)  # nothing captured yet: each step size when first run
+        # where a mixed step is one graph, a prompt prefilled alone is a mixed step of one chunk (`prefill`): every
+        # prompt row attends by one kernel, so no prefill graph is kept; the smallest such step is captured here,
+        # as the prefill graphs were, so that a restart's first short request finds it
+        whole = pieces is not None and pieces.whole
+        self._graphs = DecodeGraphs(self.model, self.device, prefills=not whole)
+        self._pieces = pieces
+        if whole:
+            tokens = [self.config.bos_token_id, 1, 2, 3]
+            self.reserve(0, len(tokens))
+            for _ in range(2):  # the first run is eager and captures it, the second replays it
+                pieces.run([(0, 0, tokens)])
+            self.release(0)
 
     def drop_graph(self) -> None:
         self._graphs = self._pieces = None
@@ -323,6 +334,9 @@ class ModelRunner:
         prefill graph: the last token's only, [1, vocab])."""
         if self.leads:
             self._broadcast(CMD_PREFILL, [slot, start], tokens)
+        if self._pieces is not None and self._pieces.whole and (
+                logits := self._pieces.run([(slot, start, tokens)])) is not None:  # the last token's logits only
+            return logits  # every prompt row by the kernel a mixed step's chunks attend by (capture_decode_graph)
         if self._graphs is not None and self._graphs.prefills(len(tokens)):  # the last token's logits only
             return self._graphs.prefill(slot, tokens, start)
         dev = self.device

@@ -276,14 +276,22 @@ class Scheduler:
     @staticmethod
     def _chunks(joining: list[Sequence], budget: int) -> list[tuple[Sequence, int, int]]:
         """(sequence, start, end) of the prompt chunks this step prefills: oldest first, `budget` tokens in all
-        (one at least)."""
+        (one at least).  A prompt of several tokens is not cut into a chunk of one where it can be helped (a step
+        runs a one-token segment as a decode row, by another attention kernel than a chunk's on a GPU, and bf16
+        rounds the two differently): the cut moves a token earlier, or the chunk waits for the next step."""
         out, budget = [], max(1, budget)
         for seq in joining:
             if budget <= 0:
                 break
-            end = min(len(seq.context), seq.prefilled + budget)
-            out.append((seq, seq.prefilled, end))
-            budget -= end - seq.prefilled
+            left = len(seq.context) - seq.prefilled
+            n = min(left, budget)
+            if n == 1 < left or left - n == 1:
+                if n > 2:
+                    n -= 1
+                elif out:
+                    break
+            out.append((seq, seq.prefilled, seq.prefilled + n))
+            budget -= n
         return out
 
     def _prefill_chunk(self, seq: Sequence, start: int, end: int) -> None:
