@@ -13,6 +13,10 @@ embedding and the KV write, and the decode rows' attention), with each chunk's a
 them (torch's attention over the chunk's span of keys); on the CPU the pieces run without graphs
 (tests/reference/test_token_budget.py checks them).
 
+Where the step is one graph, a prompt prefilled alone (no decode row) runs as such a step too (the runner's
+`prefill`): every prompt row attends by the one-launch kernel, alone or beside others, so that in bf16 a prompt's
+greedy tokens do not depend on which way it came (the decode kernel and torch's attention round differently).
+
 The step's rows: first b decode rows, row r for slot r (b: the smallest decode graph size above the highest slot
 decoding; a slot not decoding writes at its spare position and reads a few keys, as in a decode graph), then the
 chunks' rows in order, padded to C rows (CHUNK_SIZES) with rows at the spare position.  The residual stream, the
