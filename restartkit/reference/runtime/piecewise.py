@@ -14,8 +14,9 @@ them (torch's attention over the chunk's span of keys); on the CPU the pieces ru
 (tests/reference/test_token_budget.py checks them).
 
 Where the step is one graph, a prompt prefilled alone (no decode row) runs as such a step too (the runner's
-`prefill`): every prompt row attends by the one-launch kernel, alone or beside others, so that in bf16 a prompt's
-greedy tokens do not depend on which way it came (the decode kernel and torch's attention round differently).
+`prefill`): every prompt row attends by the one-launch kernel, alone or beside others (the decode kernel and
+torch's attention round differently in bf16).  The matrix products still round by the step's row count: on an H100
+bf16 greedy answers under batching differ with or without this (docs/BENCHMARKS.md).
 
 The step's rows: first b decode rows, row r for slot r (b: the smallest decode graph size above the highest slot
 decoding; a slot not decoding writes at its spare position and reads a few keys, as in a decode graph), then the
