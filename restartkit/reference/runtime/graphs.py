@@ -9,10 +9,10 @@ highest slot; the scheduler gives each sequence the lowest free slot, so one str
 A prefill graph runs a prompt chunk of up to 16, 64 or 128 tokens as decode rows of one slot at consecutive
 positions (padded with rows at the spare position) and keeps the last token's logits.  Where a mixed step is one
 graph (restartkit.reference.runtime.piecewise, a GPU's default), none is kept: a prompt prefilled alone runs as a
-mixed step of one chunk, so that its rows attend by the kernel they would attend by beside running streams.  Eagerly, a short prefill
-at 8B shapes waited on the host: 14-22 ms for 3 tokens whose kernels took 6.3 ms; through a graph 64 tokens took
-6.4 ms, 128 tokens 9.4 ms.  The decode attention reads each row's keys again, so longer chunks run eagerly
-(256 tokens: 18.8 ms in a graph, 512: 48.7 ms, against 25.5 ms eager).
+mixed step of one chunk, so that its rows attend by the kernel they would attend by beside running streams.
+Eagerly, a short prefill at 8B shapes waited on the host: 14-22 ms for 3 tokens whose kernels took 6.3 ms; through
+a graph 64 tokens took 6.4 ms, 128 tokens 9.4 ms.  The decode attention reads each row's keys again, so longer
+chunks run eagerly (256 tokens: 18.8 ms in a graph, 512: 48.7 ms, against 25.5 ms eager).
 
 What this buys, measured on an H200 at 8B shapes (docs/BENCHMARKS.md): a step over one row 4.65-4.90 ms against
 4.8-5.1 ms over eight; a 1-token request 7.2 ms end to end through HTTP (22.7 ms with eager prefills).  What it

@@ -306,11 +306,12 @@ class ModelRunner:
         whole = pieces is not None and pieces.whole
         self._graphs = DecodeGraphs(self.model, self.device, prefills=not whole)
         self._pieces = pieces
-        if whole:
+        if whole:  # at a start or a KV cache's restore: no sequence holds slot 0
             tokens = [self.config.bos_token_id, 1, 2, 3]
             self.reserve(0, len(tokens))
-            for _ in range(2):  # the first run is eager and captures it, the second replays it
-                pieces.run([(0, 0, tokens)])
+            with torch.inference_mode():
+                for _ in range(2):  # the first run is eager and captures it, the second replays it
+                    pieces.run([(0, 0, tokens)])
             self.release(0)
 
     def drop_graph(self) -> None:
