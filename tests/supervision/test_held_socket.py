@@ -41,7 +41,7 @@ def armed_other_than(policy, pids) -> int:
     return sb["pid"]
 
 
-KILLS = 7  # more than [supervise] start_limit_burst's default (5)
+KILLS = 6  # more than [supervise] start_limit_burst's default (5)
 
 
 def standby_policy(make_policy, sockdir):
@@ -51,7 +51,7 @@ def standby_policy(make_policy, sockdir):
 
 
 def test_a_crash_under_supervise_refuses_no_connection(supervised, make_policy, sockdir, preloads):
-    """4 clients, a new connection per request, no retries; the serving engine SIGKILLed 7 times under the
+    """4 clients, a new connection per request, no retries; the serving engine SIGKILLed 6 times under the
     default start limit (start_limit_burst 5 in 600 s), each time after it served past min_uptime_s, each time
     served by the standby: supervise keeps running (a crash while serving is no failed start), no refused
     connection, no 5xx, no more lost than were in flight, no wait over 3 s, kill -> first answer median <= 1 s;
