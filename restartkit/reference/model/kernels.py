@@ -28,6 +28,7 @@ import torch.nn.functional as F
 BLOCK = 64  # positions a KV-cache block holds (restartkit.reference.model.paged)
 NO_TRITON_ENV = "RESTARTKIT_NO_TRITON"  # set (to anything): the torch forms everywhere
 CHUNK_KERNEL_ENV = "RESTARTKIT_CHUNK_KERNEL"  # "0": prompt chunks by torch's attention, one by one (chunks_fused)
+ROWS_KERNEL_ENV = "RESTARTKIT_ROWS_KERNEL"  # "1": bf16/fp16 matrix products by linear_rows (rows_fused)
 
 
 @functools.lru_cache(maxsize=1)
@@ -60,6 +61,14 @@ def chunks_fused(x: torch.Tensor) -> bool:
     run, unless CHUNK_KERNEL_ENV is "0" (then each chunk by torch's attention, as before that kernel: on an H100 in
     bf16 the kernel and torch's attention round a prompt's rows differently, docs/BENCHMARKS.md)."""
     return fused(x) and os.environ.get(CHUNK_KERNEL_ENV, "1") != "0"
+
+
+def rows_fused(x: torch.Tensor) -> bool:
+    """Whether the matrix products of x (bf16 or fp16, where the kernels run) go through linear_rows, whose rows do
+    not depend on how many come together: where ROWS_KERNEL_ENV is "1".  Otherwise cuBLAS's, which in bf16 round a
+    row by the row count, so that a greedy answer depends on what runs beside it (docs/BENCHMARKS.md)."""
+    return (x.dtype in (torch.bfloat16, torch.float16) and fused(x)
+            and os.environ.get(ROWS_KERNEL_ENV, "0") == "1")
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
@@ -141,8 +150,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     at most 128), as (weight @ x.T).T, a lone row doubled: on the CI's AMD EPYC, torch's MKL took 2.6-4.7 ms for
     the `small` preset's products at 1-16 rows and 2 threads (a lone row's matrix-vector product is as slow) and
     this form 1.0-3.4 ms (docs/BENCHMARKS.md).  Each is a float32 sum in its own order; neither is bitwise equal
-    across row counts."""
+    across row counts.  On a GPU in bf16 or fp16, by the kernel whose rows are (rows_fused)."""
     rows = x.shape[0]
+    if x.is_cuda and rows_fused(x):
+        k = x.shape[-1]
+        return _triton().linear_rows(x.reshape(-1, k).contiguous(), weight).view(*x.shape[:-1], weight.shape[0])
     if x.is_cuda or x.dim() != 2 or x.dtype != torch.float32 or rows > min(128, 8 * torch.get_num_threads()):
         return F.linear(x, weight)
     if rows == 1:

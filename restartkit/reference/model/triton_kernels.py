@@ -298,3 +298,85 @@ def attend_tiles(q, cache_k, cache_v, positions, rows, table, tiles, out, tile):
                                           GP=triton.next_power_of_2(group), TILE=tile, HD=hd,
                                           CHUNK=ATTEND_CHUNK, EXACT=q.dtype == torch.float32, num_warps=4)
     return out
+
+
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count (1 included): one order of sums
+def _linear_rows(x_ptr, w_ptr, out_ptr, M, N, K, w_row, k_span, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 PARTS: tl.constexpr):
+    """A tile of BM rows and BN columns of x [M, K] @ w[N, K].T over the K-range `k_span` long that program_id(2)
+    takes: the products summed in float32, BK at a time, in order.  PARTS 1: the result in out's dtype; else a
+    float32 part of its own ([PARTS, M, N]), summed by _sum_parts."""
+    rm = tl.program_id(1).to(tl.int64) * BM + tl.arange(0, BM)
+    rn = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    k_lo = tl.program_id(2) * k_span
+    k_hi = tl.minimum(k_lo + k_span, K)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BK):
+        kk = k + tl.arange(0, BK)
+        a = tl.load(x_ptr + rm[:, None] * K + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < k_hi), other=0.0)
+        b = tl.load(w_ptr + rn[None, :] * w_row + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < k_hi), other=0.0)
+        acc = tl.dot(a, b, acc)
+    keep = (rm[:, None] < M) & (rn[None, :] < N)
+    if PARTS == 1:
+        tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=keep)
+    else:
+        tl.store(out_ptr + (tl.program_id(2) * M + rm[:, None]) * N + rn[None, :], acc, mask=keep)
+
+
+@triton.jit
+def _sum_parts(parts_ptr, out_ptr, size, PARTS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < size
+    acc = tl.load(parts_ptr + offs, mask=keep, other=0.0)
+    for s in tl.static_range(1, PARTS):
+        acc += tl.load(parts_ptr + s * size + offs, mask=keep, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+LINEAR_BM = 64  # rows a program of linear_rows takes, whatever the row count
+
+
+def linear_config(n: int, k: int, sms: int) -> dict:
+    """The tiles linear_rows uses for a weight [n, k] on a device of `sms` multiprocessors: a function of the
+    weight's shape and the device only, never of the row count (a row's sum order is the tiles' order).  The K
+    range is cut in PARTS (each summed in its own program, the parts added in order) where a row's BN-column tiles
+    alone would leave the device's multiprocessors idle: a decode step's few rows read the weight at full speed."""
+    bn, bk = 64, 128 if k % 128 == 0 else 64
+    parts = 1
+    while triton.cdiv(n, bn) * parts < 2 * sms and k // (parts * 2) >= 4 * bk and k % (parts * 2 * bk) == 0:
+        parts *= 2
+    return {"BN": bn, "BK": bk, "PARTS": parts, "num_warps": 4, "num_stages": 4}
+
+
+_SMS: dict[int, int] = {}
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T in x's dtype, each row's products summed in float32 in an order that does not
+    depend on M (cuBLAS picks its kernel, and so its order, by the whole shape: in bf16 a row's result then depends
+    on how many rows come with it, docs/BENCHMARKS.md)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    assert x.is_contiguous() and weight.shape[1] == K
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    if config is None:
+        dev = x.device.index or 0
+        if dev not in _SMS:
+            _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count if x.is_cuda else 8
+        config = linear_config(N, K, _SMS[dev])
+    c = dict(config)
+    parts = c.pop("PARTS")
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    k_span = triton.cdiv(K, parts)
+    grid = (triton.cdiv(N, c["BN"]), triton.cdiv(M, LINEAR_BM), parts)
+    if parts == 1:
+        _linear_rows[grid](x, weight, out, M, N, K, weight.stride(0), k_span, BM=LINEAR_BM, PARTS=1, **c)
+        return out
+    summed = torch.empty(parts, M, N, dtype=torch.float32, device=x.device)
+    _linear_rows[grid](x, weight, summed, M, N, K, weight.stride(0), k_span, BM=LINEAR_BM, PARTS=parts, **c)
+    block = 1024
+    _sum_parts[(triton.cdiv(M * N, block),)](summed, out, M * N, PARTS=parts, BLOCK=block, num_warps=4)
+    return out
