@@ -95,12 +95,12 @@ def vllm_model(tmp_path_factory):
 @pytest.fixture
 def supervised(make_policy, service_cleanup, tmp_path):
     """`restartkit supervise` on a policy (fast probes), its notify socket the test's."""
-    from tests.helpers import SUPERVISE_FAST, Supervised
+    from tests.helpers import Supervised, supervise_fast
     made = []
 
-    def make(policy=None, burst=5, env=None, wait_ready=True):
+    def make(policy=None, burst=5, env=None, wait_ready=True, min_uptime_s=5.0):
         policy = policy or make_policy()
-        policy.write_text(policy.read_text() + SUPERVISE_FAST.format(burst=burst))
+        policy.write_text(policy.read_text() + supervise_fast(burst, min_uptime_s))
         service_cleanup(policy)
         s = Supervised(policy, tmp_path, env)
         made.append(s)

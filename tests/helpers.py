@@ -191,7 +191,15 @@ start_limit_interval_s = 600
 start_limit_burst = {burst}
 backoff_s = 0.2
 backoff_max_s = 1
+min_uptime_s = {min_uptime}
 """
+
+
+def supervise_fast(burst: int = 5, min_uptime_s: float = 5.0) -> str:
+    """A [supervise] table that probes often and backs off briefly.  An engine killed after min_uptime_s of serving
+    is a crash while serving (recovered at once, the start limit starts over); before it, a failed start (counted,
+    backed off): tests that kill a serving engine lower it and wait past it, not past the default's 5 s."""
+    return SUPERVISE_FAST.format(burst=burst, min_uptime=min_uptime_s)
 
 
 class Supervised:
@@ -266,11 +274,11 @@ class Supervised:
             time.sleep(0.3)
         raise AssertionError(f"no record #{n} within {timeout} s")
 
-    def crash_while_serving(self) -> tuple[int, dict, float]:
+    def crash_while_serving(self, min_uptime_s: float = 5.0) -> tuple[int, dict, float]:
         """SIGKILL the serving engine once it has served past [supervise] min_uptime_s (a crash, not a failed
         start); returns its PID, the record of the restart that served the crash, and when it was killed."""
         engine, records = self.status()["pid"], len(self.records())
-        time.sleep(6.0)
+        time.sleep(min_uptime_s + 0.5)
         killed = time.monotonic()
         os.kill(engine, signal.SIGKILL)
         rec = self.wait_record(records + 1)

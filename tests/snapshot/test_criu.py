@@ -268,14 +268,14 @@ def test_under_supervise_a_full_snapshot_restores_on_the_held_socket(make_policy
     text = policy.read_text().replace("[restart]\n", '[restart]\nstrategies = ["criu", "cold"]\n')
     policy.write_text(text)
     port = int(text.split("port = ")[1].split()[0])
-    s = supervised(policy)
+    s = supervised(policy, min_uptime_s=2.0)
     load = ClientLoad("127.0.0.1", port, "tiny", clients=2, max_tokens=2).start()
     try:
         made = run_cli("snapshot", "create", "--policy", policy, "--wait", "60", "--json")
         assert made.returncode == 0, made.stdout + made.stderr
         snap = json.loads(made.stdout)
         assert snap["kind"] != "weightless" and snap["listener"]["held"] is True, snap
-        engine, rec, kill = s.crash_while_serving()
+        engine, rec, kill = s.crash_while_serving(2.0)
     finally:
         load.stop()
     assert rec["served_by"] == "criu" and rec["proof"]["canary_identical"], (rec["served_by"], rec["attempts"])

@@ -169,7 +169,7 @@ def test_under_supervise_a_crash_restores_criu_ipc_on_the_held_socket(make_polic
     policy.write_text(text + "\n[criu]\npid_wait_s = 5.0\n")
     port = int(text.split("port = ")[1].split()[0])
     start_preload(policy, preloads)
-    s = supervised(policy)
+    s = supervised(policy, min_uptime_s=2.0)
     r = run_cli("restart", "--policy", policy, "--strategy", "ipc", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["served_by"] == "ipc", r.stdout + r.stderr
     streams = ClientsThroughKills(port, mixed_requests(4, low=60, high=120))
@@ -184,7 +184,7 @@ def test_under_supervise_a_crash_restores_criu_ipc_on_the_held_socket(make_polic
         p = plan(policy)
         assert verdict(p, "criu+ipc")["eligible"], verdict(p, "criu+ipc")
         streams.start()  # streams in flight at the crash: the front continues them on the restored engine
-        engine, rec, kill = s.crash_while_serving()
+        engine, rec, kill = s.crash_while_serving(2.0)
     finally:
         load.stop()
         streams.finish()

@@ -16,7 +16,7 @@ import tests.helpers as helpers
 
 from restartkit.clients import ClientLoad, summarize
 from restartkit.process.procfs import port_has_listener
-from tests.helpers import RESTARTKIT, ROOT, SUPERVISE_FAST, ipc_policy, run_cli, start_preload, Supervised
+from tests.helpers import RESTARTKIT, ROOT, ipc_policy, run_cli, start_preload, Supervised, supervise_fast
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +42,7 @@ def armed_other_than(policy, pids) -> int:
 
 
 KILLS = 6  # more than [supervise] start_limit_burst's default (5)
+MIN_UPTIME_S = 2.0  # [supervise] min_uptime_s here: each kill waits past it (a crash while serving), not past 5 s
 
 
 def standby_policy(make_policy, sockdir):
@@ -58,7 +59,7 @@ def test_a_crash_under_supervise_refuses_no_connection(supervised, make_policy, 
     the answers the same before and after."""
     policy = standby_policy(make_policy, sockdir)
     start_preload(policy, preloads)
-    s = supervised(policy)
+    s = supervised(policy, min_uptime_s=MIN_UPTIME_S)
     load = ClientLoad("127.0.0.1", port_of(policy), "tiny", clients=4, max_tokens=4).start()
     kills, seen = [], set()
     try:
@@ -66,7 +67,7 @@ def test_a_crash_under_supervise_refuses_no_connection(supervised, make_policy, 
             engine = status(policy)["pid"]
             seen.add(engine)
             armed_other_than(policy, seen)
-            time.sleep(6.0)  # it has served past [supervise] min_uptime_s: a crash, not a failed start
+            time.sleep(MIN_UPTIME_S + 0.5)  # it has served past [supervise] min_uptime_s: a crash, not a failed start
             kills.append(time.monotonic())
             os.kill(engine, signal.SIGKILL)
             wait_for(lambda: (st := status(policy))["serving"] and st["pid"] not in seen)
@@ -98,7 +99,7 @@ def test_the_openai_client_sees_no_error_across_kills(supervised, make_policy, s
     openai = pytest.importorskip("openai")
     policy = standby_policy(make_policy, sockdir)
     start_preload(policy, preloads)
-    supervised(policy)
+    supervised(policy, min_uptime_s=MIN_UPTIME_S)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port_of(policy)}/v1", api_key="none")
 
     def ask() -> str:
@@ -108,7 +109,7 @@ def test_the_openai_client_sees_no_error_across_kills(supervised, make_policy, s
         engine = status(policy)["pid"]
         seen.add(engine)
         armed_other_than(policy, seen)
-        time.sleep(6.0)
+        time.sleep(MIN_UPTIME_S + 0.5)
         os.kill(engine, signal.SIGKILL)
         answers = [ask() for _ in range(5)]  # the first right after the kill: it waits in the socket's queue
         assert answers == [before] * 5
@@ -122,7 +123,7 @@ def test_a_cold_restart_under_supervise_keeps_clients_waiting_instead_of_refusin
     by the front: none fails, each answer token-identical to the undisturbed one."""
     from tests.streams import ClientsThroughKills, mixed_requests
     policy = make_policy()
-    s = supervised(policy)
+    s = supervised(policy, min_uptime_s=MIN_UPTIME_S)
     plan = run_cli("plan", "--policy", policy)
     assert "is held by `restartkit supervise`" in plan.stdout, plan.stdout
     st = status(policy)
@@ -138,7 +139,7 @@ def test_a_cold_restart_under_supervise_keeps_clients_waiting_instead_of_refusin
         r = run_cli("restart", "--policy", policy, "--strategy", "cold", "--json")
         assert r.returncode == 0, r.stderr
         engine = status(policy)["pid"]
-        time.sleep(6.0)
+        time.sleep(MIN_UPTIME_S + 0.5)
         os.kill(engine, signal.SIGKILL)
         wait_for(lambda: (x := status(policy))["serving"] and x["pid"] != engine)
         time.sleep(1.0)
@@ -168,7 +169,7 @@ def test_a_neighbour_on_the_port_makes_supervise_give_up_naming_it(make_policy, 
         neighbour.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         neighbour.bind(("127.0.0.1", port_of(policy)))
         neighbour.listen(8)
-        policy.write_text(policy.read_text() + SUPERVISE_FAST.format(burst=1))
+        policy.write_text(policy.read_text() + supervise_fast(1))
         r = subprocess.run([*RESTARTKIT, "supervise", "--policy", str(policy)], capture_output=True, text=True,
                            cwd=ROOT, timeout=120)
     assert r.returncode == 2 and f"cannot bind 127.0.0.1:{port_of(policy)}, where the front answers" in r.stderr, r.stderr
@@ -180,7 +181,7 @@ def test_socket_activation_serves_on_the_passed_socket_across_a_sigkill(make_pol
     """systemd-socket-activate -l 127.0.0.1:PORT restartkit supervise: the socket it passed is the one every
     engine serves on (its inode in supervisor.json), and a SIGKILL of the engine refuses no connection."""
     policy = make_policy()
-    policy.write_text(policy.read_text() + SUPERVISE_FAST.format(burst=5))
+    policy.write_text(policy.read_text() + supervise_fast(5, MIN_UPTIME_S))
     service_cleanup(policy)
     port = port_of(policy)
     act = subprocess.Popen(["systemd-socket-activate", "-l", f"127.0.0.1:{port}", *RESTARTKIT, "supervise",
@@ -194,7 +195,7 @@ def test_socket_activation_serves_on_the_passed_socket_across_a_sigkill(make_pol
         try:
             st = wait_for(lambda: (x := status(policy))["serving"] and (x.get("supervisor") or {}).get("listener") and x, 120)
             assert st["supervisor"]["listener"]["front"]["source"] == "systemd", st["supervisor"]  # clients' socket
-            time.sleep(6.0)
+            time.sleep(MIN_UPTIME_S + 0.5)
             os.kill(st["pid"], signal.SIGKILL)
             wait_for(lambda: (x := status(policy))["serving"] and x["pid"] != st["pid"])
             time.sleep(1.0)
@@ -212,16 +213,16 @@ def test_a_probe_queued_on_the_held_socket_does_not_delay_noticing_a_death(make_
     """supervise's /health probe of a frozen engine waits in the held socket's queue (nothing accepts there
     until supervise acts); when the engine is then killed, supervise notices at once, not at the probe's
     timeout (10 s here): a probe never stands between a death and its noticing."""
-    from tests.helpers import SUPERVISE_FAST, Supervised
+    from tests.helpers import Supervised, supervise_fast
     policy = make_policy()
-    policy.write_text(policy.read_text() + SUPERVISE_FAST.format(burst=5).replace("health_timeout_s = 1.0",
-                                                                                   "health_timeout_s = 10.0"))
+    policy.write_text(policy.read_text() + supervise_fast(5, MIN_UPTIME_S).replace("health_timeout_s = 1.0",
+                                                                                 "health_timeout_s = 10.0"))
     service_cleanup(policy)
     s = Supervised(policy, tmp_path)
     try:
         s.wait_note("READY=1")
         engine = status(policy)["pid"]
-        time.sleep(6.0)  # past min_uptime_s: a crash while serving
+        time.sleep(MIN_UPTIME_S + 0.5)  # past min_uptime_s: a crash while serving
         os.kill(engine, signal.SIGSTOP)
         time.sleep(1.5)  # a health probe (every 0.5 s) is now queued on the held socket
         killed_at = time.time()
