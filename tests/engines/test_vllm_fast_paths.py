@@ -10,7 +10,8 @@ import pytest
 
 import tests.helpers as helpers
 
-from tests.helpers import (START_S, cache_policy, cli_json, needs_vllm, run_cli, shm_left, start_preload, strategy)
+from tests.helpers import (START_S, cache_policy, cli_json, needs_vllm, run_cli, shm_left, start_preload, strategy,
+                           supervise_fast)
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 KILLS = 2  # of the serving vLLM, each served by a standby armed again after the last (about a minute each here)
