@@ -161,8 +161,8 @@ def test_sigkill_during_a_criu_restore_is_reconciled_by_the_next_command(served,
     rec = last_record(policy)
     assert rec["final_state"] == "serving" and "was interrupted" in rec["recovery_reason"], rec
     # the next restart is an ordinary one: no "PIDs taken", no "port in use", the snapshot unmarked
-    code = run_cli("restart", "--policy", policy, "--strategy", "criu", "--strict").returncode
-    assert code == 0
+    r = run_cli("restart", "--policy", policy, "--strategy", "criu", "--strict")
+    assert r.returncode == 0, r.stdout + r.stderr
     assert not snapshot_listing(policy)[-1]["suspect"] and snapshot_listing(policy)[-1]["id"] == snap["id"]
     assert_clean(policy)
 
