@@ -17,6 +17,7 @@ pytestmark = [pytest.mark.slow, needs_vllm]
 KILLS = 3  # of the serving vLLM (issue 55's count), each served by a standby armed again after the last
 #           (about a minute each here)
 
+
 def wait_for(what, timeout=START_S):
     return helpers.wait_for(what, timeout, every=0.5)
 
