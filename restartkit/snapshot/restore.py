@@ -18,17 +18,31 @@ from restartkit.snapshot.seal import seal_problem
 from restartkit.snapshot.store import Snapshot
 
 
+ZOMBIE_GRACE_S = 2.0  # how long another parent may take to collect an exited process before it is named
+
+
 def wait_pids_free(pids: list[int], deadline_s: float, seam: Seam | None = None) -> list[int]:
-    """The PIDs still taken when the deadline passed (empty: all free)."""
+    """The PIDs still taken when the deadline passed (empty: all free).  A zombie that is not ours
+    waits for its parent, not for us: once every PID left has been such a zombie for ZOMBIE_GRACE_S,
+    waiting out the rest of the deadline buys nothing.  Not at once: an engine stopped a moment ago is
+    a zombie until its keeper is next scheduled (milliseconds, more on a loaded host)."""
+    seam = seam or Seam()
     taken: list[int] = []
+    zombies_since: list[float] = []
 
     def free() -> bool:
         for p in pids:
             reap(p)
         taken[:] = [p for p in pids if os.path.exists(f"/proc/{p}")]
-        # a zombie that is not ours waits for its parent, not for us: no use waiting out the deadline
-        return not taken or all(proc_state(p) == "Z" and parent(p) != os.getpid() for p in taken)
-    (seam or Seam()).wait_until(free, deadline_s)
+        if not taken:
+            return True
+        if not all(proc_state(p) == "Z" and parent(p) != os.getpid() for p in taken):
+            zombies_since.clear()
+            return False
+        if not zombies_since:
+            zombies_since.append(seam.clock())
+        return seam.clock() - zombies_since[0] >= ZOMBIE_GRACE_S
+    seam.wait_until(free, deadline_s)
     return taken
 
 

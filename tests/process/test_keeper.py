@@ -131,3 +131,43 @@ def test_a_killed_keeper_leaves_the_engine_serving(make_policy, service_cleanup)
     rec = json.loads(r.stdout)
     assert r.returncode == 0 and rec["proof"]["canary_identical"] is True
     assert gone(pid)  # the old engine stopped, even without its keeper
+
+
+def _zombie_collected_after(delay_s: float | None) -> tuple[subprocess.Popen, int]:
+    """A parent whose child exits at once and which collects it only after `delay_s` (None: never);
+    returns the parent and the child's PID, once the child is a zombie."""
+    collect = "pass" if delay_s is None else f"time.sleep({delay_s}); os.waitpid(c, 0)"
+    parent = subprocess.Popen(["python3", "-c", "import os, sys, time\nc = os.fork()\nif c == 0: os._exit(0)\n"
+                               f"print(c, flush=True)\n{collect}\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    for _ in range(500):
+        if open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+            return parent, child
+        time.sleep(0.01)
+    raise AssertionError(f"PID {child} never became a zombie")
+
+
+def test_a_zombie_its_parent_collects_a_moment_later_is_waited_for():
+    """An engine just stopped is a zombie until its keeper is next scheduled: a restore waits for that
+    (it once gave up at once in a loaded CI run, the snapshot's PID 'taken')."""
+    from restartkit.snapshot.restore import ZOMBIE_GRACE_S, wait_pids_free
+    parent, child = _zombie_collected_after(0.5)
+    try:
+        t = time.monotonic()
+        assert wait_pids_free([child], 30.0) == []
+        assert time.monotonic() - t < ZOMBIE_GRACE_S + 5
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_a_zombie_its_parent_never_collects_is_named_after_a_grace():
+    from restartkit.snapshot.restore import ZOMBIE_GRACE_S, wait_pids_free
+    parent, child = _zombie_collected_after(None)
+    try:
+        t = time.monotonic()
+        assert wait_pids_free([child], 30.0) == [child]
+        assert ZOMBIE_GRACE_S <= time.monotonic() - t < 30.0  # named, not waited out
+    finally:
+        parent.kill()
+        parent.wait()
