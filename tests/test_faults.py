@@ -483,9 +483,10 @@ def _zombie_on(pid: int) -> subprocess.Popen:
 
 
 @needs_root
-def test_a_zombie_on_a_snapshots_pid_is_named_at_once(served):
+def test_a_zombie_on_a_snapshots_pid_is_named_without_waiting_out_pid_wait(served):
     """A zombie's PID is free only when its parent collects it: waiting out pid_wait_s (26.7 s once)
-    buys nothing.  Named with its parent, left alone, and the restart recovers at once."""
+    buys nothing.  Named with its parent after a short grace (restore.ZOMBIE_GRACE_S), left alone, and the
+    restart recovers."""
     policy = served(criu_extra='pid_wait_s = 60.0\n')
     snap = create(policy, "--stop")
     parent = _zombie_on(snap["pid"])
