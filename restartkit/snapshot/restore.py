@@ -28,20 +28,20 @@ def wait_pids_free(pids: list[int], deadline_s: float, seam: Seam | None = None)
     a zombie until its keeper is next scheduled (milliseconds, more on a loaded host)."""
     seam = seam or Seam()
     taken: list[int] = []
-    zombies_since: list[float] = []
+    zombies_since: float | None = None  # since when every PID left has been a zombie that is not ours
 
     def free() -> bool:
+        nonlocal zombies_since
         for p in pids:
             reap(p)
         taken[:] = [p for p in pids if os.path.exists(f"/proc/{p}")]
         if not taken:
             return True
         if not all(proc_state(p) == "Z" and parent(p) != os.getpid() for p in taken):
-            zombies_since.clear()
+            zombies_since = None
             return False
-        if not zombies_since:
-            zombies_since.append(seam.clock())
-        return seam.clock() - zombies_since[0] >= ZOMBIE_GRACE_S
+        zombies_since = zombies_since if zombies_since is not None else seam.clock()
+        return seam.clock() - zombies_since >= ZOMBIE_GRACE_S
     seam.wait_until(free, deadline_s)
     return taken
 

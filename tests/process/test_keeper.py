@@ -137,7 +137,7 @@ def _zombie_collected_after(delay_s: float | None) -> tuple[subprocess.Popen, in
     """A parent whose child exits at once and which collects it only after `delay_s` (None: never);
     returns the parent and the child's PID, once the child is a zombie."""
     collect = "pass" if delay_s is None else f"time.sleep({delay_s}); os.waitpid(c, 0)"
-    parent = subprocess.Popen(["python3", "-c", "import os, sys, time\nc = os.fork()\nif c == 0: os._exit(0)\n"
+    parent = subprocess.Popen(["python3", "-c", "import os, time\nc = os.fork()\nif c == 0: os._exit(0)\n"
                                f"print(c, flush=True)\n{collect}\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
     for _ in range(500):
