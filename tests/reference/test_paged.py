@@ -4,6 +4,7 @@ answer it has alone (its prompt and tokens prefilled again: recompute)."""
 import random
 
 import pytest
+import torch
 
 from restartkit.reference.model.paged import BLOCK
 from restartkit.reference.sched.engine import Engine, EngineOptions
@@ -82,6 +83,37 @@ def test_a_kv_cache_dropped_and_restored_has_its_budget_again(tiny_model, alone)
         assert freed == 2 * COLS * block_bytes(probe) and eng.free_blocks() is None
         eng.restore_kv_cache()
         assert eng.kv_blocks == 2 * COLS and eng.free_blocks() == 2 * COLS - 1
+
+
+def test_decode_rows_in_any_order_read_their_slots_in_place_with_the_gathered_answer(tiny_model, monkeypatch):
+    """Decode rows whose slots lie close together (shuffled, as a busy scheduler has them) attend over those slots
+    read in place (paged.covering) rather than over a copy of their keys: the same logits as the copy, and rows
+    spread thin are still copied."""
+    from restartkit.reference.model import paged
+    eng = Engine(EngineOptions(model=str(tiny_model), max_model_len=256, max_num_seqs=8))
+    eng.start()
+    rng = random.Random(3)
+    lengths = [rng.randint(30, 90) for _ in range(8)]
+    with eng.lock:
+        for pos in range(max(lengths)):  # each slot's keys up to its length, written by decode steps
+            live = [s for s in range(8) if pos < lengths[s]]
+            eng.decode(live, [rng.randrange(1, 250) for _ in live], [pos] * len(live))
+    seen = []
+    real = paged.covering
+    monkeypatch.setattr(paged, "covering", lambda table, rows: seen.append(real(table, rows)) or seen[-1])
+    for slots in ([5, 2, 7, 3, 6, 4], [1, 0, 3, 2], [7, 0]):
+        toks = [rng.randrange(1, 250) for _ in slots]
+        positions = [lengths[s] for s in slots]
+        seen.clear()
+        with eng.lock:
+            got = eng.decode(slots, toks, positions)
+            in_place = seen[0] is not None
+            monkeypatch.setattr(paged, "covering", lambda table, rows: None)
+            copied = eng.decode(slots, toks, positions)
+            monkeypatch.setattr(paged, "covering", lambda table, rows: seen.append(real(table, rows)) or seen[-1])
+        assert in_place == (slots != [7, 0]), (slots, seen)
+        assert torch.allclose(got, copied, atol=1e-5, rtol=0), (slots, (got - copied).abs().max())
+        assert got.argmax(-1).tolist() == copied.argmax(-1).tolist()
 
 
 def test_a_budget_that_cannot_hold_one_sequence_is_refused_naming_the_flag(tiny_model):

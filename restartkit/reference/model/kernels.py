@@ -112,10 +112,36 @@ def attend_decode(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
     positions[b] in cache_k, cache_v [rows, kv_heads, cols*BLOCK, hd], block by block as table[rows[b]] lists
     them (a row's keys past its position are never read), the blocks combined in float32; [B, heads, hd].  A
     row at the spare position (the last the table addresses: a row nobody reads) attends to the first block
-    only.  Elsewhere None: the caller's matrix products over a masked span (restartkit.reference.model.llama.attend)."""
+    only.  Elsewhere None: the caller's matrix products over a masked span (attend)."""
     if not fused(q):
         return None
     return _triton().attend_decode(q, cache_k, cache_v, positions, rows, table)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's query heads, q [B, n_kv, group, hd] (query head h reads KV head h // group), against its keys
+    and values [B, n_kv, span, hd] (head-major: strided batches read in place, no copy of the cache); mask
+    bool [B, span], True where a key is not seen.  Matrix products around a softmax in float32, as
+    transformers computes it (the CPU; a GPU runs attend_decode)."""
+    scores = torch.matmul(q, keys.transpose(2, 3)).float() * q.shape[-1] ** -0.5
+    probs = scores.masked_fill(mask[:, None, None, :], float("-inf")).softmax(-1).to(q.dtype)
+    return torch.matmul(probs, values)
+
+
+def attend_slots(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, lo: int, n: int, rows: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+    """`attend` for decode rows whose keys are in their home rows among the n consecutive slots from `lo` of
+    cache_k, cache_v [slots, kv_heads, positions, hd] (restartkit.reference.model.paged.covering): those slots read
+    in place instead of the rows' keys copied.  Row b's query q [B, kv_heads, group, hd] goes to slot rows[b]; the
+    other slots' queries are zero and attend to their first key only (so that no softmax is empty).  [B, kv_heads,
+    group, hd]."""
+    at = rows - lo
+    span = mask.shape[-1]
+    qs = q.new_zeros(n, *q.shape[1:]).index_copy_(0, at, q)
+    masks = mask.new_ones(n, span)
+    masks[:, 0] = False
+    masks.index_copy_(0, at, mask)
+    return attend(qs, cache_k[lo:lo + n, :, :span], cache_v[lo:lo + n, :, :span], masks).index_select(0, at)
 
 
 ATTEND_TILE = 16  # rows of a prompt chunk a program of attend_chunks takes
@@ -146,20 +172,44 @@ class Linear(torch.nn.Linear):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, in] times weight [out, in] transposed.  On the CPU in float32 with a few rows (up to 8 per thread,
-    at most 128), as (weight @ x.T).T, a lone row doubled: on the CI's AMD EPYC, torch's MKL took 2.6-4.7 ms for
-    the `small` preset's products at 1-16 rows and 2 threads (a lone row's matrix-vector product is as slow) and
-    this form 1.0-3.4 ms (docs/BENCHMARKS.md).  Each is a float32 sum in its own order; neither is bitwise equal
-    across row counts.  On a GPU in bf16 or fp16, by the kernel whose rows are (rows_fused)."""
+    """x [T, in] times weight [out, in] transposed.  On the CPU in float32: up to FEW_ROWS rows as (weight @
+    x.T).T (a lone row doubled), more by oneDNN's product on the weight as it is (no packed copy, so the weight
+    cache's shared pages, sleep's parking and a snapshot see the one weight).  On the CI's AMD EPYC torch's MKL
+    runs few rows slowly: the `small` preset's products of a step took 4.3-7.4 ms at 1-4 rows in x @ W.T form,
+    1.6-2.6 ms in this one; from 5 rows on oneDNN's took 20-35 % less than either, prompt chunks of 512 rows
+    included (docs/BENCHMARKS.md).  Each is a float32 sum in its own order; none is bitwise equal across row
+    counts.  On a GPU in bf16 or fp16, by the kernel whose rows are (rows_fused)."""
     rows = x.shape[0]
     if x.is_cuda and rows_fused(x):
         k = x.shape[-1]
         return _triton().linear_rows(x.reshape(-1, k).contiguous(), weight).view(*x.shape[:-1], weight.shape[0])
-    if x.is_cuda or x.dim() != 2 or x.dtype != torch.float32 or rows > min(128, 8 * torch.get_num_threads()):
+    if x.is_cuda or x.dim() != 2 or x.dtype != torch.float32:
         return F.linear(x, weight)
+    if rows > FEW_ROWS:
+        return _onednn_linear(x, weight) if weight.is_contiguous() and _onednn() else F.linear(x, weight)
     if rows == 1:
         return (weight @ torch.cat((x, x)).t())[:, :1].t().contiguous()
     return (weight @ x.t()).t().contiguous()
+
+
+FEW_ROWS = 4  # CPU float32 products of up to this many rows by MKL as (weight @ x.T).T, more by oneDNN's
+ONEDNN_ENV = "RESTARTKIT_ONEDNN"  # "0": the CPU's float32 products by torch's MKL only (as before oneDNN's)
+
+
+@functools.lru_cache(maxsize=1)
+def _onednn() -> bool:
+    """Whether this torch has oneDNN's linear product for the CPU (x86 builds do), and it is not switched off."""
+    if os.environ.get(ONEDNN_ENV, "1") == "0" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        probe = torch.ones(FEW_ROWS + 1, 2)
+        return bool(torch.equal(_onednn_linear(probe, torch.ones(3, 2)), torch.full((FEW_ROWS + 1, 3), 2.0)))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

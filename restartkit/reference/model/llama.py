@@ -119,16 +119,6 @@ class RMSNorm(nn.Module):
 apply_rope = kernels.rotate  # x [T, heads, head_dim]; cos, sin (first half negated) [T, head_dim] in x's dtype
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Each row's query heads, q [B, n_kv, group, hd] (query head h reads KV head h // group), against its keys
-    and values [B, n_kv, span, hd] (head-major: strided batches read in place, no copy of the cache); mask
-    bool [B, span], True where a key is not seen.  Matrix products around a softmax in float32, as
-    transformers computes it (the CPU; a GPU runs kernels.attend_decode)."""
-    scores = torch.matmul(q, keys.transpose(2, 3)).float() * q.shape[-1] ** -0.5
-    probs = scores.masked_fill(mask[:, None, None, :], float("-inf")).softmax(-1).to(q.dtype)
-    return torch.matmul(probs, values)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, par: Parallel = SINGLE):
         super().__init__()
@@ -154,15 +144,22 @@ class Attention(nn.Module):
 
     def attend_rows(self, q, positions, rows, in_place, cache_k, cache_v, table, mask):
         """Each decode row's attention over its slot's keys up to its position, q [B, heads, hd]: the decode kernel
-        on a GPU, else matrix products over the keys `mask` spans (as `attend` takes it).  [B, heads, hd]."""
+        on a GPU, else matrix products over the keys `mask` spans (as kernels.attend takes it).  [B, heads, hd]."""
         B, hd, n_kv = q.shape[0], self.head_dim, self.n_kv
         out = kernels.attend_decode(q, cache_k, cache_v, positions, rows, table.device)
         if out is not None:
             return out
         span = mask.shape[-1]  # the keys attended to: every position, or those up to the batch's last
+        if not in_place and not rows.is_cuda:
+            at = rows.tolist()
+            lo = paged.covering(table, at)
+            if lo is not None:
+                return kernels.attend_slots(q.view(B, n_kv, self.n_heads // n_kv, hd), cache_k, cache_v, lo,
+                                            max(at) - lo + 1, rows, mask).reshape(B, self.n_heads, hd)
         keys = paged.row_keys(cache_k, table, rows, span, in_place)
         values = paged.row_keys(cache_v, table, rows, span, in_place)
-        return attend(q.view(B, n_kv, self.n_heads // n_kv, hd), keys, values, mask).reshape(B, self.n_heads, hd)
+        return kernels.attend(q.view(B, n_kv, self.n_heads // n_kv, hd), keys, values, mask).reshape(
+            B, self.n_heads, hd)
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, heads, hd], k and v [T, kv_heads, hd] of x [T, hidden]: views of one matrix product."""

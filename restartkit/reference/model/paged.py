@@ -162,6 +162,17 @@ def keys_at(cache: torch.Tensor, blocks: torch.Tensor | None, slot: int, span: i
     return got.transpose(0, 1).reshape(cache.shape[1], blocks.shape[0] * BLOCK, cache.shape[-1])[:, :span]
 
 
+def covering(table: Table, rows: list[int]) -> int | None:
+    """The first of the consecutive slots whose home rows hold every one of `rows`' keys (distinct slots, each in
+    its home row), where reading those slots in place costs less than copying the rows' keys: the rows are at least
+    half of the slots spanned (a copy reads and writes each row's keys, and the product reads them again).  None
+    where not."""
+    lo, hi = min(rows), max(rows)
+    if 2 * len(rows) < hi - lo + 1 or len(set(rows)) != len(rows) or not table.in_place(rows):
+        return None
+    return lo
+
+
 def row_keys(cache: torch.Tensor, table: Table, rows: torch.Tensor, span: int, in_place: bool) -> torch.Tensor:
     """Each row's slot's first `span` positions, [B, kv_heads, span, hd]: `in_place` (rows are slots 0..B-1, each
     in its home row) a view of the cache; home rows anywhere, a copy of those rows; else gathered by the table."""
