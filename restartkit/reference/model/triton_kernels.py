@@ -339,13 +339,11 @@ LINEAR_BM = 64  # rows a program of linear_rows takes, whatever the row count
 def linear_config(n: int, k: int, sms: int) -> dict:
     """The tiles linear_rows uses for a weight [n, k] on a device of `sms` multiprocessors: a function of the
     weight's shape and the device only, never of the row count (a row's sum order is the tiles' order).  The K
-    range is cut in PARTS (each summed in its own program, the parts added in order) where a row's BN-column tiles
-    alone would leave the device's multiprocessors idle: a decode step's few rows read the weight at full speed."""
+    range is not cut in parts (PARTS 1): on an H100 at Llama-3-8B's shapes, cutting it in 4 or 8 parts (each summed
+    in its own program, then added in order) made a step's products take 12.1 ms instead of 8.1 at 1-64 rows
+    (scripts/gpu_product_rows_probe.py, docs/BENCHMARKS.md).  `sms` is kept for tiles chosen by device."""
     bn, bk = 64, 128 if k % 128 == 0 else 64
-    parts = 1
-    while triton.cdiv(n, bn) * parts < 2 * sms and k // (parts * 2) >= 4 * bk and k % (parts * 2 * bk) == 0:
-        parts *= 2
-    return {"BN": bn, "BK": bk, "PARTS": parts, "num_warps": 4, "num_stages": 4}
+    return {"BN": bn, "BK": bk, "PARTS": 1, "num_warps": 4, "num_stages": 4}
 
 
 _SMS: dict[int, int] = {}
