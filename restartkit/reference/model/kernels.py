@@ -175,9 +175,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, in] times weight [out, in] transposed.  On the CPU in float32: up to FEW_ROWS rows as (weight @
     x.T).T (a lone row doubled), more by oneDNN's product on the weight as it is (no packed copy, so the weight
     cache's shared pages, sleep's parking and a snapshot see the one weight).  On the CI's AMD EPYC torch's MKL
-    runs few rows slowly: the `small` preset's products of a step took 4.3-7.4 ms at 1-4 rows in x @ W.T form,
-    1.6-2.6 ms in this one; from 5 rows on oneDNN's took 20-35 % less than either, prompt chunks of 512 rows
-    included (docs/BENCHMARKS.md).  Each is a float32 sum in its own order; none is bitwise equal across row
+    runs few rows slowly: the `small` preset's products of a step took 4.3-7.9 ms at 1-4 rows in x @ W.T form,
+    1.6-3.0 ms in this one; from 5 rows on oneDNN's took less than either: 4-12 % at 5-6 rows, 21-31 % at 10-32,
+    20 % at a prompt chunk's 512 (docs/BENCHMARKS.md).  Each is a float32 sum in its own order; none is bitwise equal across row
     counts.  On a GPU in bf16 or fp16, by the kernel whose rows are (rows_fused)."""
     rows = x.shape[0]
     if x.is_cuda and rows_fused(x):
