@@ -76,7 +76,6 @@ def kernel_rows(device: str, timed) -> list[tuple[str, bool]]:
     import torch
     import torch.nn.functional as F
     from restartkit.reference.model import triton_kernels as T
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
     verdicts, step, failed = [], {}, set()  # step[config][rows]: a 32-layer step's products (lm_head once), us
     for name, (out_f, in_f) in SHAPES.items():
         w = torch.randn(out_f, in_f, device=device, dtype=torch.bfloat16) / in_f ** 0.5
@@ -85,7 +84,7 @@ def kernel_rows(device: str, timed) -> list[tuple[str, bool]]:
         counts = [*range(1, 129), *range(136, 2305, 8)]
         differ = [m for m in counts if not torch.equal(T.linear_rows(x[:m], w), full[:m])]
         gap = float((full.float() - F.linear(x, w).float()).abs().max())
-        default = T.linear_config(out_f, in_f, sms)
+        default = T.linear_config(in_f)
         print(f"{name}: linear_rows {default}: {len(differ)} of {len(counts)} row counts differ from 2304 rows'"
               f" first rows {differ[:8]}; largest gap from cuBLAS {gap:.3g}", flush=True)
         verdicts.append((f"{name}: linear_rows, every row count gives the same bits", not differ))

@@ -98,9 +98,12 @@ def test_decode_rows_in_any_order_read_their_slots_in_place_with_the_gathered_an
         for pos in range(max(lengths)):  # each slot's keys up to its length, written by decode steps
             live = [s for s in range(8) if pos < lengths[s]]
             eng.decode(live, [rng.randrange(1, 250) for _ in live], [pos] * len(live))
-    seen = []
-    real = paged.covering
-    monkeypatch.setattr(paged, "covering", lambda table, rows: seen.append(real(table, rows)) or seen[-1])
+    seen, real = [], paged.covering
+
+    def counted(table, rows):
+        seen.append(real(table, rows))
+        return seen[-1]
+    monkeypatch.setattr(paged, "covering", counted)
     for slots in ([5, 2, 7, 3, 6, 4], [1, 0, 3, 2], [7, 0]):
         toks = [rng.randrange(1, 250) for _ in slots]
         positions = [lengths[s] for s in slots]
@@ -110,7 +113,7 @@ def test_decode_rows_in_any_order_read_their_slots_in_place_with_the_gathered_an
             in_place = seen[0] is not None
             monkeypatch.setattr(paged, "covering", lambda table, rows: None)
             copied = eng.decode(slots, toks, positions)
-            monkeypatch.setattr(paged, "covering", lambda table, rows: seen.append(real(table, rows)) or seen[-1])
+            monkeypatch.setattr(paged, "covering", counted)
         assert in_place == (slots != [7, 0]), (slots, seen)
         assert torch.allclose(got, copied, atol=1e-5, rtol=0), (slots, (got - copied).abs().max())
         assert got.argmax(-1).tolist() == copied.argmax(-1).tolist()

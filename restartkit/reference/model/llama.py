@@ -150,12 +150,9 @@ class Attention(nn.Module):
         if out is not None:
             return out
         span = mask.shape[-1]  # the keys attended to: every position, or those up to the batch's last
-        if not in_place and not rows.is_cuda:
-            at = rows.tolist()
-            lo = paged.covering(table, at)
-            if lo is not None:
-                return kernels.attend_slots(q.view(B, n_kv, self.n_heads // n_kv, hd), cache_k, cache_v, lo,
-                                            max(at) - lo + 1, rows, mask).reshape(B, self.n_heads, hd)
+        if not in_place and not rows.is_cuda and (slots := paged.covering(table, rows.tolist())) is not None:
+            return kernels.attend_slots(q.view(B, n_kv, self.n_heads // n_kv, hd), cache_k, cache_v, *slots, rows,
+                                        mask).reshape(B, self.n_heads, hd)
         keys = paged.row_keys(cache_k, table, rows, span, in_place)
         values = paged.row_keys(cache_v, table, rows, span, in_place)
         return kernels.attend(q.view(B, n_kv, self.n_heads // n_kv, hd), keys, values, mask).reshape(

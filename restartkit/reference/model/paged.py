@@ -162,15 +162,15 @@ def keys_at(cache: torch.Tensor, blocks: torch.Tensor | None, slot: int, span: i
     return got.transpose(0, 1).reshape(cache.shape[1], blocks.shape[0] * BLOCK, cache.shape[-1])[:, :span]
 
 
-def covering(table: Table, rows: list[int]) -> int | None:
-    """The first of the consecutive slots whose home rows hold every one of `rows`' keys (distinct slots, each in
-    its home row), where reading those slots in place costs less than copying the rows' keys: the rows are at least
-    half of the slots spanned (a copy reads and writes each row's keys, and the product reads them again).  None
-    where not."""
-    lo, hi = min(rows), max(rows)
-    if 2 * len(rows) < hi - lo + 1 or len(set(rows)) != len(rows) or not table.in_place(rows):
+def covering(table: Table, rows: list[int]) -> tuple[int, int] | None:
+    """(first, count) of the consecutive slots whose home rows hold every one of `rows`' keys (distinct slots, each
+    in its home row), where reading those slots in place costs less than copying the rows' keys: the rows are at
+    least half of the slots spanned (a copy reads and writes each row's keys, and the product reads them again).
+    None where not."""
+    lo, n = min(rows), max(rows) - min(rows) + 1
+    if 2 * len(rows) < n or len(set(rows)) != len(rows) or not table.in_place(rows):
         return None
-    return lo
+    return lo, n
 
 
 def row_keys(cache: torch.Tensor, table: Table, rows: torch.Tensor, span: int, in_place: bool) -> torch.Tensor:

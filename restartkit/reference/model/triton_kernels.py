@@ -336,17 +336,13 @@ def _sum_parts(parts_ptr, out_ptr, size, PARTS: tl.constexpr, BLOCK: tl.constexp
 LINEAR_BM = 64  # rows a program of linear_rows takes, whatever the row count
 
 
-def linear_config(n: int, k: int, sms: int) -> dict:
-    """The tiles linear_rows uses for a weight [n, k] on a device of `sms` multiprocessors: a function of the
-    weight's shape and the device only, never of the row count (a row's sum order is the tiles' order).  The K
-    range is not cut in parts (PARTS 1): on an H100 at Llama-3-8B's shapes, cutting it in 4 or 8 parts (each summed
-    in its own program, then added in order) made a step's products take 12.1 ms instead of 8.1 at 1-64 rows
-    (scripts/gpu_product_rows_probe.py, docs/BENCHMARKS.md).  `sms` is kept for tiles chosen by device."""
-    bn, bk = 64, 128 if k % 128 == 0 else 64
-    return {"BN": bn, "BK": bk, "PARTS": 1, "num_warps": 4, "num_stages": 4}
-
-
-_SMS: dict[int, int] = {}
+def linear_config(k: int) -> dict:
+    """The tiles linear_rows uses for a weight of k columns: a function of the weight's shape only, never of the row
+    count (a row's sum order is the tiles' order).  The K range is not cut in parts (PARTS 1): on an H100 at
+    Llama-3-8B's shapes, cutting it in 4 or 8 parts (each summed in its own program, then added in order) made a
+    step's products take 12.1 ms instead of 8.1 at 1-64 rows (scripts/gpu_product_rows_probe.py,
+    docs/BENCHMARKS.md)."""
+    return {"BN": 64, "BK": 128 if k % 128 == 0 else 64, "PARTS": 1, "num_warps": 4, "num_stages": 4}
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
@@ -358,12 +354,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: dict | None = Non
     assert x.is_contiguous() and weight.shape[1] == K
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    if config is None:
-        dev = x.device.index or 0
-        if dev not in _SMS:
-            _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count if x.is_cuda else 8
-        config = linear_config(N, K, _SMS[dev])
-    c = dict(config)
+    c = dict(config or linear_config(K))
     parts = c.pop("PARTS")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
