@@ -108,6 +108,31 @@ def test_a_sequence_that_meets_its_eos_ends_there_and_its_slot_serves_the_next(e
     assert counts["ahead"] >= 14
 
 
+def test_a_steps_tokens_reach_their_readers_once_the_next_step_is_launched(engine):
+    """Where steps run ahead, a step's tokens wait for the next step's launch (their readers' threads then wake while
+    the device computes): while the batch runs, each reader has the tokens of every step but the last; the step
+    that empties the batch hands over the rest; without run-ahead each step's tokens are handed over at its end."""
+    for ahead in (True, False):
+        engine.run_ahead = ahead
+        sched = Scheduler(engine, engine.slots, 64)
+        a, b = seq([256, 5, 6, 7], 9), seq([256, 11, 12], 9)
+        sched.submit([a, b])
+        lag, lags = {id(a): 0, id(b): 0}, set()
+        while sched.running or sched.waiting:
+            with sched.cond:
+                sched._admit()
+            with engine.lock:
+                sched.step()
+            for s in (a, b):
+                while not s.events.empty():
+                    if s.events.get().kind == "token":
+                        lag[id(s)] += 1
+                if sched.running:
+                    lags.add(len(s.tokens) - lag[id(s)])
+        assert lag == {id(a): 9, id(b): 9}  # every token reached its reader in the end
+        assert lags == ({1} if ahead else {0}), lags
+
+
 def post(port: int, body: dict, headers: dict | None = None) -> dict:
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json", **(headers or {})})

@@ -76,6 +76,11 @@ class Scheduler:
                        "isolated": 0, "shared_isolated": 0, "ahead": 0, "mixed": 0, "preempted": 0}
         self._thread: threading.Thread | None = None
         self._ahead: tuple[list[Sequence], object] | None = None  # sequences and the step launched ahead for them
+        # where launches do not wait (runs_ahead): a step's events go to their readers once the next step is
+        # launched (_sent), so that the readers' threads wake while the device computes, not while the host builds
+        # and launches the next step; [(sequence, event)] of this step, and of the step before (held)
+        self._outbox: list[tuple[Sequence, Event]] = []
+        self._held: list[tuple[Sequence, Event]] = []
 
     # ---- the HTTP surface's side ------------------------------------------------------------
     def submit(self, seqs: list[Sequence], first: bool = False) -> None:
@@ -192,6 +197,7 @@ class Scheduler:
             self.unservable_since = now
         if now - self.unservable_since < HOLD_S:
             return
+        self._sent(everything=True)  # a preempted sequence's tokens before its error
         while self.waiting:
             seq = self.waiting.popleft()
             seq.emit(Event(0, "error", error=EngineGone("the engine holds no weights or KV cache")))
@@ -199,7 +205,29 @@ class Scheduler:
         self.unservable_since = None
 
     def step(self) -> None:
-        """One step (see the module's docstring), under the engine's lock."""
+        """One step (see the module's docstring), under the engine's lock.  The last step's events are handed to
+        their readers once this one is launched, or at its end where it launches nothing; all of them where the
+        batch is empty after it (nothing would launch)."""
+        self._held, self._outbox = self._held + self._outbox, []
+        try:
+            self._step()
+        finally:
+            self._sent()
+            if not self.running or not self.runner.runs_ahead:
+                self._sent(everything=True)
+
+    def _emit(self, seq: Sequence, event: Event) -> None:
+        self._outbox.append((seq, event))
+
+    def _sent(self, everything: bool = False) -> None:
+        """The held events (the last step's) to their readers; with `everything`, this step's too."""
+        held, self._held = self._held, []
+        if everything:
+            held, self._outbox = held + self._outbox, []
+        for seq, event in held:
+            seq.emit(event)
+
+    def _step(self) -> None:
         for seq in [s for s in self.running if s.cancelled.is_set()]:
             self._leave(seq, "cancelled")
         if not self.running:
@@ -296,6 +324,7 @@ class Scheduler:
 
     def _prefill_chunk(self, seq: Sequence, start: int, end: int) -> None:
         logits = self.runner.prefill(seq.slot, seq.context[start:end], start)
+        self._sent()
         seq.prefilled = end
         self.counts["prefill_tokens"] += end - start
         if not seq.prefilling and not self._resumed(seq):  # its first token, from the prompt's last position
@@ -315,6 +344,7 @@ class Scheduler:
         segments = [(s.slot, s.position, [s.tokens[-1]]) for s in decoding]
         segments += [(seq.slot, start, seq.context[start:end]) for seq, start, end in chunks]
         logits = self.runner.mixed(segments)
+        self._sent()  # (launched: the step before's events go while the device computes this one)
         self.counts["mixed"] += 1
         self.counts["decode_rows"] += len(decoding)
         for seq, start, end in chunks:
@@ -341,7 +371,9 @@ class Scheduler:
             if not seqs:
                 return
             args = [s.slot for s in seqs], [s.tokens[-1] for s in seqs], [s.position for s in seqs]
-        rows = self.runner.decode(*args).float().cpu()
+        rows = self.runner.decode(*args)
+        self._sent()
+        rows = rows.float().cpu()
         for i, seq in enumerate(seqs):
             self._take(seq, rows[i])
 
@@ -361,6 +393,7 @@ class Scheduler:
         if self._may_run_ahead(seqs):
             self._ahead = seqs, self.runner.launch_greedy(slots, None, [p + 1 for p in positions], chained=True)
             self.counts["ahead"] += 1
+        self._sent()
         for seq, token in zip(seqs, step.tokens(slots)):
             self._took(seq, token, None, None)
 
@@ -393,7 +426,7 @@ class Scheduler:
     def _took(self, seq: Sequence, token: int, logprob, top) -> None:
         eos = token in stops(seq, self.runner.config.eos_token_ids)
         seq.tokens.append(token)
-        seq.emit(Event(0, "token", token, logprob, top, eos=eos))
+        self._emit(seq, Event(0, "token", token, logprob, top, eos=eos))
         if eos:
             self._leave(seq, "stop")
         elif len(seq.tokens) >= seq.sampling.max_tokens:
@@ -419,11 +452,12 @@ class Scheduler:
         else:
             self.counts["finished"] += 1
             if finish is not None:
-                seq.emit(Event(0, "done", finish=finish))
+                self._emit(seq, Event(0, "done", finish=finish))
         seq.finished = True
 
     def _fail_running(self, error: Exception) -> None:
         self._ahead = None  # a failed step's successor is not waited for: it may fail the same way
+        self._sent(everything=True)  # the tokens before the error
         for seq in list(self.running):
             seq.emit(Event(0, "error", error=error))
             self._leave(seq, "cancelled")
