@@ -77,7 +77,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._ahead: tuple[list[Sequence], object] | None = None  # sequences and the step launched ahead for them
         # where launches do not wait (runs_ahead): a step's events go to their readers once the next step is
-        # launched (_sent), so that the readers' threads wake while the device computes, not while the host builds
+        # launched (_hand_over), so that the readers' threads wake while the device computes, not while the host builds
         # and launches the next step; [(sequence, event)] of this step, and of the step before (held)
         self._outbox: list[tuple[Sequence, Event]] = []
         self._held: list[tuple[Sequence, Event]] = []
@@ -197,7 +197,7 @@ class Scheduler:
             self.unservable_since = now
         if now - self.unservable_since < HOLD_S:
             return
-        self._sent(everything=True)  # a preempted sequence's tokens before its error
+        self._hand_over(everything=True)  # a preempted sequence's tokens before its error
         while self.waiting:
             seq = self.waiting.popleft()
             seq.emit(Event(0, "error", error=EngineGone("the engine holds no weights or KV cache")))
@@ -212,14 +212,14 @@ class Scheduler:
         try:
             self._step()
         finally:
-            self._sent()
+            self._hand_over()
             if not self.running or not self.runner.runs_ahead:
-                self._sent(everything=True)
+                self._hand_over(everything=True)
 
     def _emit(self, seq: Sequence, event: Event) -> None:
         self._outbox.append((seq, event))
 
-    def _sent(self, everything: bool = False) -> None:
+    def _hand_over(self, everything: bool = False) -> None:
         """The held events (the last step's) to their readers; with `everything`, this step's too."""
         held, self._held = self._held, []
         if everything:
@@ -324,7 +324,7 @@ class Scheduler:
 
     def _prefill_chunk(self, seq: Sequence, start: int, end: int) -> None:
         logits = self.runner.prefill(seq.slot, seq.context[start:end], start)
-        self._sent()
+        self._hand_over()
         seq.prefilled = end
         self.counts["prefill_tokens"] += end - start
         if not seq.prefilling and not self._resumed(seq):  # its first token, from the prompt's last position
@@ -344,7 +344,7 @@ class Scheduler:
         segments = [(s.slot, s.position, [s.tokens[-1]]) for s in decoding]
         segments += [(seq.slot, start, seq.context[start:end]) for seq, start, end in chunks]
         logits = self.runner.mixed(segments)
-        self._sent()  # (launched: the step before's events go while the device computes this one)
+        self._hand_over()  # (launched: the step before's events go while the device computes this one)
         self.counts["mixed"] += 1
         self.counts["decode_rows"] += len(decoding)
         for seq, start, end in chunks:
@@ -372,7 +372,7 @@ class Scheduler:
                 return
             args = [s.slot for s in seqs], [s.tokens[-1] for s in seqs], [s.position for s in seqs]
         rows = self.runner.decode(*args)
-        self._sent()
+        self._hand_over()
         rows = rows.float().cpu()
         for i, seq in enumerate(seqs):
             self._take(seq, rows[i])
@@ -393,7 +393,7 @@ class Scheduler:
         if self._may_run_ahead(seqs):
             self._ahead = seqs, self.runner.launch_greedy(slots, None, [p + 1 for p in positions], chained=True)
             self.counts["ahead"] += 1
-        self._sent()
+        self._hand_over()
         for seq, token in zip(seqs, step.tokens(slots)):
             self._took(seq, token, None, None)
 
@@ -457,7 +457,7 @@ class Scheduler:
 
     def _fail_running(self, error: Exception) -> None:
         self._ahead = None  # a failed step's successor is not waited for: it may fail the same way
-        self._sent(everything=True)  # the tokens before the error
+        self._hand_over(everything=True)  # the tokens before the error
         for seq in list(self.running):
             seq.emit(Event(0, "error", error=error))
             self._leave(seq, "cancelled")
