@@ -172,12 +172,10 @@ class Linear(torch.nn.Linear):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, in] times weight [out, in] transposed.  On the CPU in float32: up to FEW_ROWS rows as (weight @
-    x.T).T (a lone row doubled), more by oneDNN's product on the weight as it is (no packed copy, so the weight
-    cache's shared pages, sleep's parking and a snapshot see the one weight).  On the CI's AMD EPYC torch's MKL
-    runs few rows slowly: the `small` preset's products of a step took 4.3-7.9 ms at 1-4 rows in x @ W.T form,
-    1.6-3.0 ms in this one; from 5 rows on oneDNN's took less than either: 4-12 % at 5-6 rows, 21-31 % at 10-32,
-    20 % at a prompt chunk's 512 (docs/BENCHMARKS.md).  Each is a float32 sum in its own order; none is bitwise equal across row
+    """x [T, in] times weight [out, in] transposed.  On the CPU in float32 by the form `cpu_form` chooses for T
+    rows on this CPU: torch's `x @ W.T` (MKL), `(W @ x.T).T` (MKL on the transposed shapes; a lone row doubled), or
+    oneDNN's product on the weight as it is (no packed copy, so the weight cache's shared pages, sleep's parking and
+    a snapshot see the one weight).  Each is a float32 sum in its own order; none is bitwise equal across row
     counts.  On a GPU in bf16 or fp16, by the kernel whose rows are (rows_fused)."""
     rows = x.shape[0]
     if x.is_cuda and rows_fused(x):
@@ -185,15 +183,46 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return _triton().linear_rows(x.reshape(-1, k).contiguous(), weight).view(*x.shape[:-1], weight.shape[0])
     if x.is_cuda or x.dim() != 2 or x.dtype != torch.float32:
         return F.linear(x, weight)
-    if rows > FEW_ROWS:
-        return _onednn_linear(x, weight) if weight.is_contiguous() and _onednn() else F.linear(x, weight)
-    if rows == 1:
-        return (weight @ torch.cat((x, x)).t())[:, :1].t().contiguous()
-    return (weight @ x.t()).t().contiguous()
+    form = cpu_form(rows)
+    if form == "onednn" and weight.is_contiguous() and _onednn():
+        return _onednn_linear(x, weight)
+    if form == "transposed":
+        if rows == 1:
+            return (weight @ torch.cat((x, x)).t())[:, :1].t().contiguous()
+        return (weight @ x.t()).t().contiguous()
+    return F.linear(x, weight)
 
 
-FEW_ROWS = 4  # CPU float32 products of up to this many rows by MKL as (weight @ x.T).T, more by oneDNN's
+# A CPU float32 product's form by its row count, per CPU maker: (most rows, form), the first that holds.  MKL chooses
+# its code by the maker: on an Intel Xeon (Sapphire Rapids, 2 threads, the `small` preset's products of a step)
+# `x @ W.T` was fastest up to 8 rows (0.9 ms at 1 row against 1.2 by oneDNN), `(W @ x.T).T` from 9 to 48 (2.1 ms
+# at 16 rows against 2.7 by oneDNN and 3.7 by `x @ W.T`), oneDNN's from 56 on; on an AMD EPYC MKL's few-row
+# products were slow in either form and oneDNN's fastest from 5 rows (docs/BENCHMARKS.md).
+CPU_FORMS = {"GenuineIntel": ((8, "linear"), (48, "transposed"), (None, "onednn")),
+             "": ((4, "transposed"), (None, "onednn"))}  # every other maker: as measured on the AMD EPYC
 ONEDNN_ENV = "RESTARTKIT_ONEDNN"  # "0": the CPU's float32 products by torch's MKL only (as before oneDNN's)
+
+
+def cpu_form(rows: int) -> str:
+    """How a CPU float32 product of `rows` rows runs here: "linear", "transposed" or "onednn" (CPU_FORMS)."""
+    return next(form for most, form in _cpu_forms() if most is None or rows <= most)
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_forms() -> tuple:
+    return CPU_FORMS.get(cpu_maker(), CPU_FORMS[""])
+
+
+def cpu_maker() -> str:
+    """The CPU's maker as /proc/cpuinfo names it (GenuineIntel, AuthenticAMD...), or "" where it does not say."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 @functools.lru_cache(maxsize=1)
@@ -202,8 +231,8 @@ def _onednn() -> bool:
     if os.environ.get(ONEDNN_ENV, "1") == "0" or not torch.backends.mkldnn.is_available():
         return False
     try:
-        probe = torch.ones(FEW_ROWS + 1, 2)
-        return bool(torch.equal(_onednn_linear(probe, torch.ones(3, 2)), torch.full((FEW_ROWS + 1, 3), 2.0)))
+        probe = torch.ones(5, 2)
+        return bool(torch.equal(_onednn_linear(probe, torch.ones(3, 2)), torch.full((5, 3), 2.0)))
     except (AttributeError, RuntimeError):
         return False
 
