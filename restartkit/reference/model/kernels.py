@@ -196,7 +196,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # A CPU float32 product's form by its row count, per CPU maker: (most rows, form), the first that holds.  MKL chooses
 # its code by the maker: on an Intel Xeon (Sapphire Rapids, 2 threads, the `small` preset's products of a step)
 # `x @ W.T` was fastest up to 8 rows (0.9 ms at 1 row against 1.2 by oneDNN), `(W @ x.T).T` from 9 to 48 (2.1 ms
-# at 16 rows against 2.7 by oneDNN and 3.7 by `x @ W.T`), oneDNN's from 56 on; on an AMD EPYC MKL's few-row
+# at 16 rows against 2.7 by oneDNN and 3.7 by `x @ W.T`), oneDNN's beyond (fastest at 64); on an AMD EPYC MKL's few-row
 # products were slow in either form and oneDNN's fastest from 5 rows (docs/BENCHMARKS.md).
 CPU_FORMS = {"GenuineIntel": ((8, "linear"), (48, "transposed"), (None, "onednn")),
              "": ((4, "transposed"), (None, "onednn"))}  # every other maker: as measured on the AMD EPYC
