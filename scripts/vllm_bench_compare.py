@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import ROOT, reference_model, start_server, stop_server
+from benchlib import ROOT, cpu_line, reference_model, start_server, stop_server
 
 from restartkit.engines.reference import CPU_ENV
 
@@ -87,7 +87,10 @@ def main() -> int:
                       f"TPOT p50 {r['p50_tpot_ms']:.1f} ms, {r['completed']} done, {r['failed']} failed", flush=True)
         finally:
             stop_server(proc)
-    (out / "compare.json").write_text(json.dumps({f"{k}:{c}": v for (k, c), v in rows.items()}, indent=1))
+    machine = cpu_line()
+    (out / "compare.json").write_text(json.dumps({"machine": machine, **{f"{k}:{c}": v for (k, c), v in rows.items()}},
+                                                 indent=1))
+    print(f"machine: {machine}")
     print("| clients | engine | output tok/s | total tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | "
           "ITL p50 / p99 (ms) | done / failed |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
