@@ -145,16 +145,11 @@ def cpu_line() -> str:
     """This machine's CPU for a benchmark's output, e.g. "Intel(R) Xeon(R) Processor (GenuineIntel), 2 cores, torch
     2.13.0+cpu": the CPU under a VM can change between runs of one command, and CPU figures are compared only where
     this line is the same (the maker also chooses the engine's CPU products: restartkit.reference.model.kernels)."""
-    from restartkit.reference.model.kernels import cpu_maker
-    name = ""
-    try:
-        name = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                     if ln.startswith("model name")), "")
-    except OSError:
-        pass
     import torch
-    maker = cpu_maker() or "maker not said"
-    return f"{name or 'an unnamed CPU'} ({maker}), {os.cpu_count()} cores, torch {torch.__version__}"
+
+    from restartkit.reference.model.kernels import cpu_maker, cpuinfo
+    name, maker = cpuinfo("model name") or "an unnamed CPU", cpu_maker() or "maker not said"
+    return f"{name} ({maker}), {os.cpu_count()} cores, torch {torch.__version__}"
 
 
 def drop_page_cache() -> bool:

@@ -215,10 +215,15 @@ def _cpu_forms() -> tuple:
 
 def cpu_maker() -> str:
     """The CPU's maker as /proc/cpuinfo names it (GenuineIntel, AuthenticAMD...), or "" where it does not say."""
+    return cpuinfo("vendor_id")
+
+
+def cpuinfo(field: str) -> str:
+    """The first CPU's `field` in /proc/cpuinfo ("vendor_id", "model name"), or "" where it does not say."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
+                if line.split(":", 1)[0].strip() == field:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
